@@ -1,0 +1,110 @@
+"""`StreamConfig`: what a streamed model is, validated on construction.
+
+The same dataclass is the `streams:` section of a recipe and the content of a checkpoint's
+`stream_config.json`, so every field is a plain JSON value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+STREAM_INITS = ("identity", "lowrank", "value_rotation")
+MODES = ("shared", "lossless")
+
+
+@dataclass
+class StreamConfig:
+    """Configuration of the speculative streams added to a causal LM.
+
+    Args:
+        num_streams: γ, the number of speculative streams per position. Stream j (1..γ) at
+            position t predicts the token at t+1+j; the main stream predicts t+1.
+        stream_layers: Ns, how many of the model's top decoder layers are multi-stream
+            attention (MSA) layers. Streams are inserted at the input of layer N−Ns.
+        stream_init: how a stream's initial hidden state is made from the main one:
+            ``"identity"`` (S_j = M + P_j, the paper's choice), ``"lowrank"`` (S_j = M + B·A·M + P_j
+            with a rank-``init_rank`` map that starts at zero), or ``"value_rotation"`` (no new
+            stream parameters: S_j = M, and each stream's attention values are rotated by an
+            angle proportional to j).
+        init_rank: rank η of the ``"lowrank"`` map; must be unset for the other inits.
+        mode: ``"shared"`` (the main stream also attends to its own position's streams; trained
+            with LoRA) or ``"lossless"`` (the main stream never sees streams and the base stays
+            frozen, so its outputs are exactly the base model's).
+        main_weight: α0, weight of the main next-token loss.
+        stream_weights: αj, weight of stream j's loss; a scalar for all streams or a list of γ.
+        prune_rank: rank of the early-exit adapter at layer N−Ns used to prune draft trees.
+    """
+
+    num_streams: int = 3
+    stream_layers: int = 4
+    stream_init: str = "identity"
+    init_rank: int | None = None
+    mode: str = "shared"
+    main_weight: float = 1.0
+    stream_weights: float | list[float] = 0.1
+    prune_rank: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_streams, bool) or not isinstance(self.num_streams, int) or self.num_streams < 1:
+            raise ValueError(f"StreamConfig.num_streams must be an integer >= 1, got {self.num_streams!r}")
+        if isinstance(self.stream_layers, bool) or not isinstance(self.stream_layers, int) or self.stream_layers < 1:
+            raise ValueError(f"StreamConfig.stream_layers must be an integer >= 1, got {self.stream_layers!r}")
+        if self.stream_init not in STREAM_INITS:
+            raise ValueError(f"StreamConfig.stream_init must be one of {list(STREAM_INITS)}, got {self.stream_init!r}")
+        if self.stream_init == "lowrank":
+            if self.init_rank is None:
+                self.init_rank = 8
+            if isinstance(self.init_rank, bool) or not isinstance(self.init_rank, int) or self.init_rank < 1:
+                raise ValueError(f"StreamConfig.init_rank must be an integer >= 1 for 'lowrank', got {self.init_rank!r}")
+        elif self.init_rank is not None:
+            raise ValueError(
+                f"StreamConfig.init_rank is only used with stream_init='lowrank', got init_rank={self.init_rank!r} "
+                f"with stream_init={self.stream_init!r}"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"StreamConfig.mode must be one of {list(MODES)}, got {self.mode!r}")
+        self.main_weight = _non_negative("main_weight", self.main_weight)
+        weights = self.stream_weights
+        if isinstance(weights, (list, tuple)):
+            if len(weights) != self.num_streams:
+                raise ValueError(
+                    f"StreamConfig.stream_weights must be a scalar or a list of num_streams={self.num_streams} "
+                    f"values, got a list of {len(weights)}"
+                )
+            self.stream_weights = [_non_negative(f"stream_weights[{i}]", w) for i, w in enumerate(weights)]
+        else:
+            w = _non_negative("stream_weights", weights)
+            self.stream_weights = [w] * self.num_streams
+        if isinstance(self.prune_rank, bool) or not isinstance(self.prune_rank, int) or self.prune_rank < 1:
+            raise ValueError(f"StreamConfig.prune_rank must be an integer >= 1, got {self.prune_rank!r}")
+
+    def check_model(self, num_hidden_layers: int) -> None:
+        """Raise if this config cannot be applied to a model with that many decoder layers."""
+        if self.stream_layers > num_hidden_layers:
+            raise ValueError(
+                f"StreamConfig.stream_layers={self.stream_layers} exceeds the model's {num_hidden_layers} decoder "
+                f"layers; allowed: 1..{num_hidden_layers}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StreamConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown StreamConfig field(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _non_negative(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
+        raise ValueError(f"StreamConfig.{name} must be a number >= 0, got {value!r}")
+    return float(value)

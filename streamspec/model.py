@@ -1,0 +1,377 @@
+"""The stream patch: `add_streams(model, config) -> StreamedModel`.
+
+A `StreamedModel` owns the HF causal LM (optionally wrapped by peft) and the few new parameters
+(`StreamParameters`). Its forward runs the model's own modules in two parts:
+
+- the lower N−Ns decoder layers over the main positions only, as the base model would;
+- the top Ns (MSA) layers over ``[main positions] + [γ streams of each carrying position]`` with
+  the attention rules of `streamspec.layout.stream_allowed`.
+
+Just before the MSA layers, a rank-`prune_rank` adapter and the model's own final norm and LM
+head give the early-exit logits used to prune draft trees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from .arch import ArchSpec, arch_spec, sliding_window
+from .cache import MainStreamCache
+from .config import StreamConfig
+from .layout import (
+    carrying_positions,
+    causal,
+    main_allowed,
+    position_ids_from_mask,
+    stream_allowed,
+    stream_position_ids,
+    stream_slots,
+    to_bias,
+)
+from .loss import chunked_cross_entropy
+
+
+@dataclass
+class StreamedOutput(ModelOutput):
+    """Output of `StreamedModel.forward`.
+
+    Attributes:
+        loss: α0·CE(main) + Σj αj·CE(stream j) + CE(early exit), when labels are given.
+        loss_parts: each term before weighting: ``main``, ``stream_1``..``stream_γ``, ``early_exit``.
+        logits: [B, T, V] main-stream logits (None when labels are given, unless asked for).
+        stream_logits: [B, T, γ, V]; ``[:, t, j-1]`` predicts the token at t+1+j. Positions that
+            carry no streams (see `stream_mask`) hold NaN.
+        early_exit_logits: [B, T, V] logits read at the input of layer N−Ns.
+        stream_mask: [B, T] bool, True where a position carries streams.
+    """
+
+    loss: torch.Tensor | None = None
+    loss_parts: dict[str, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
+    stream_logits: torch.Tensor | None = None
+    early_exit_logits: torch.Tensor | None = None
+    stream_mask: torch.Tensor | None = None
+
+
+class StreamParameters(nn.Module):
+    """Everything the patch adds: stream identifiers P_j, the optional low-rank init map, and the
+    early-exit adapter. Only this module (and a LoRA adapter) is saved in a streamed checkpoint."""
+
+    def __init__(self, config: StreamConfig, hidden_size: int, init_std: float) -> None:
+        super().__init__()
+        g = config.num_streams
+        if config.stream_init != "value_rotation":
+            self.stream_embeddings = nn.Parameter(torch.randn(g, hidden_size) * init_std)
+        if config.stream_init == "lowrank":
+            self.init_down = nn.Linear(hidden_size, config.init_rank, bias=False)
+            self.init_up = nn.Linear(config.init_rank, hidden_size, bias=False)
+            nn.init.zeros_(self.init_up.weight)  # f starts as the identity
+        # Residual low-rank adapter; zero-initialised up-projection so it starts as the logit lens.
+        self.exit_down = nn.Linear(hidden_size, config.prune_rank, bias=False)
+        self.exit_up = nn.Linear(config.prune_rank, hidden_size, bias=False)
+        nn.init.normal_(self.exit_down.weight, std=1.0 / math.sqrt(hidden_size))
+        nn.init.zeros_(self.exit_up.weight)
+        self.num_streams = g
+
+    def make_streams(self, main: torch.Tensor) -> torch.Tensor:
+        """S_j = f(M) + P_j: [B, S, h] main hidden states -> [B, S, γ, h] stream hidden states."""
+        if hasattr(self, "init_down"):
+            main = main + self.init_up(self.init_down(main))
+        streams = main[:, :, None, :].expand(-1, -1, self.num_streams, -1)
+        if hasattr(self, "stream_embeddings"):
+            streams = streams + self.stream_embeddings
+        return streams
+
+    def early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.exit_up(self.exit_down(hidden))
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+class StreamedModel(nn.Module):
+    """A causal LM with speculative streams in its top `stream_layers` layers. Build with
+    `add_streams`."""
+
+    def __init__(self, base: nn.Module, config: StreamConfig) -> None:
+        super().__init__()
+        if not isinstance(config, StreamConfig):
+            raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
+        self.base = base
+        self.stream_config = config
+        hf = self.hf_model
+        self.arch: ArchSpec = arch_spec(hf.config)
+        config.check_model(hf.config.num_hidden_layers)
+        if config.mode == "lossless" and _is_peft(base):
+            raise ValueError("mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter")
+        hidden = hf.config.hidden_size
+        init_std = float(getattr(hf.config, "initializer_range", 0.02))
+        param = next(hf.parameters())
+        self.streams = StreamParameters(config, hidden, init_std).to(device=param.device, dtype=param.dtype)
+        if config.mode == "lossless":
+            for p in self.base.parameters():
+                p.requires_grad_(False)
+
+    # -- the model's own modules ----------------------------------------------------------------
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers causal-LM model (inside the peft wrapper when there is one)."""
+        return self.base.get_base_model() if _is_peft(self.base) else self.base
+
+    @property
+    def decoder(self) -> nn.Module:
+        return getattr(self.hf_model, self.arch.decoder)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.decoder, self.arch.layers)
+
+    @property
+    def num_lower_layers(self) -> int:
+        return len(self.layers) - self.stream_config.stream_layers
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+    @property
+    def has_lora(self) -> bool:
+        return _is_peft(self.base)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: hidden states -> logits."""
+        norm = getattr(self.decoder, self.arch.norm)
+        return self.hf_model.get_output_embeddings()(norm(hidden))
+
+    def early_exit_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Early-exit logits from hidden states at the input of layer N−Ns.
+
+        The input is detached: the adapter is an estimator for pruning and is trained by its own
+        next-token loss, which should not reshape the base (or its LoRA) to suit layer N−Ns.
+        """
+        return self.head(self.streams.early_exit(hidden.detach()))
+
+    def add_lora(self, lora_config) -> "StreamedModel":
+        """Attach a peft LoRA adapter to the base (shared mode only); returns self."""
+        from peft import get_peft_model
+
+        if self.stream_config.mode == "lossless":
+            raise ValueError("mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter")
+        if self.has_lora:
+            raise ValueError("a LoRA adapter is already attached")
+        self.base = get_peft_model(self.base, lora_config)
+        return self
+
+    def num_stream_parameters(self) -> int:
+        """Parameters added by the patch (stream identifiers, init map, early-exit adapter)."""
+        return sum(p.numel() for p in self.streams.parameters())
+
+    # -- forward pieces (shared by training and decoding) ---------------------------------------
+    def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache):
+        extra = {"position_ids": position_ids, "position_embeddings": position_embeddings} if self.arch.rotary else {}
+        out = layer(hidden, attention_mask=bias, cache=cache, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _rotary(self, hidden, position_ids):
+        if self.arch.rotary is None:
+            return None
+        return getattr(self.decoder, self.arch.rotary)(hidden, position_ids)
+
+    def run_lower(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        main_ok: torch.Tensor,
+        cache: MainStreamCache | None = None,
+    ) -> torch.Tensor:
+        """Embeddings and the lower N−Ns layers over main positions: hidden states at the input
+        of layer N−Ns, [B, T, h]."""
+        hidden = self.arch.embed(self.decoder, input_ids, position_ids)
+        bias = to_bias(main_ok, hidden.dtype)
+        rotary = self._rotary(hidden, position_ids)
+        if cache is not None:
+            cache.main_length = None
+        for layer in self.layers[: self.num_lower_layers]:
+            hidden = self._call_layer(layer, hidden, bias, position_ids, rotary, cache)
+        return hidden
+
+    def run_upper(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        main_ok: torch.Tensor,
+        index: torch.Tensor,
+        valid: torch.Tensor,
+        cache: MainStreamCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MSA layers. Streams are made for the positions in `index` [B, S] (see
+        `streamspec.layout`); returns main [B, T, h] and stream [B, S, γ, h] final hidden states
+        (before the final norm)."""
+        batch, num_new, width = hidden.shape
+        g = self.stream_config.num_streams
+        num_slots = index.shape[1]
+        origin = hidden.gather(1, index[:, :, None].expand(batch, num_slots, width))
+        streams = self.streams.make_streams(origin).reshape(batch, num_slots * g, width)
+        x = torch.cat([hidden, streams], dim=1)
+        pos = torch.cat([position_ids, stream_position_ids(position_ids, index, g)], dim=1)
+        allowed = stream_allowed(main_ok, index, valid, g, shared=self.stream_config.mode == "shared")
+        bias = to_bias(allowed, x.dtype)
+        rotary = self._rotary(x, pos)
+        if cache is not None:
+            cache.main_length = num_new
+        with self._value_rotation(num_new, num_slots):
+            for layer in self.layers[self.num_lower_layers :]:
+                x = self._call_layer(layer, x, bias, pos, rotary, cache)
+        if cache is not None:
+            cache.main_length = None
+        return x[:, :num_new], x[:, num_new:].reshape(batch, num_slots, g, width)
+
+    @contextlib.contextmanager
+    def _value_rotation(self, num_main: int, num_slots: int):
+        """For stream_init='value_rotation': rotate stream j's attention values by j·π/(γ+1) in
+        each consecutive pair of value channels, in the MSA layers only. Hooks are attached per
+        call so that they follow whatever module (a LoRA wrapper, say) currently sits there."""
+        if self.stream_config.stream_init != "value_rotation" or num_slots == 0:
+            yield
+            return
+        g = self.stream_config.num_streams
+        angle = torch.arange(1, g + 1, dtype=torch.float32) * (math.pi / (g + 1))
+        angle = torch.cat([torch.zeros(num_main), angle.repeat(num_slots)])
+        part = self.arch.value_part
+
+        def hook(module, args, out):
+            width = out.shape[-1] // part[1] if part else out.shape[-1]
+            start = part[0] * width if part else 0
+            v = out[..., start : start + width]
+            pairs = v.unflatten(-1, (-1, 2))
+            cos = angle.cos().to(v)[:, None]
+            sin = angle.sin().to(v)[:, None]
+            x0, x1 = pairs[..., 0], pairs[..., 1]
+            rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+            return torch.cat([out[..., :start], rotated, out[..., start + width :]], dim=-1)
+
+        handles = [
+            layer.get_submodule(self.arch.value_proj).register_forward_hook(hook)
+            for layer in self.layers[self.num_lower_layers :]
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    # -- training / scoring forward -------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+        loss_chunk_size: int = 1024,
+        **unused: Any,
+    ) -> StreamedOutput:
+        """Main, stream and early-exit predictions for a batch, and the loss when labels are given.
+
+        Args:
+            input_ids: [B, T] token ids.
+            attention_mask: [B, T], 1 for real tokens, 0 for padding (left or right).
+            labels: [B, T] labels aligned with input_ids (HF convention: the model shifts them),
+                -100 where no loss is taken. Decides which positions carry streams (see
+                `streamspec.layout.carrying_positions`).
+            return_logits: also return the full logits tensors; default: only without labels.
+            loss_chunk_size: positions per LM-head call in the loss.
+        """
+        if unused:
+            raise TypeError(f"StreamedModel.forward got unexpected argument(s) {sorted(unused)}")
+        real, labels = self._check_inputs(input_ids, attention_mask, labels)
+        if return_logits is None:
+            return_logits = labels is None
+        carry = carrying_positions(real, labels)
+        index, valid = stream_slots(carry)
+        position_ids = position_ids_from_mask(real)
+        main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
+
+        lower = self.run_lower(input_ids, position_ids, main_ok)
+        main, streams = self.run_upper(lower, position_ids, main_ok, index, valid)
+
+        out = StreamedOutput(stream_mask=carry)
+        if labels is not None:
+            out.loss, out.loss_parts = self._loss(lower, main, streams, index, valid, labels, loss_chunk_size)
+        if return_logits:
+            out.logits = self.head(main)
+            out.early_exit_logits = self.early_exit_head(lower)
+            out.stream_logits = self._scatter_stream_logits(streams, index, valid, input_ids.shape[1])
+        return out
+
+    def _check_inputs(self, input_ids, attention_mask, labels):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError("input_ids must be a [batch, length] LongTensor")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: need at least one token")
+        if attention_mask is None:
+            real = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+                )
+            real = attention_mask.bool()
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+            if ((labels != -100) & ~real).any():
+                raise ValueError("labels must be -100 wherever attention_mask is 0 (padding has no target)")
+        window = sliding_window(self.config)
+        if window is not None and input_ids.shape[1] > window:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds the model's sliding window {window}")
+        return real, labels
+
+    def _scatter_stream_logits(self, streams, index, valid, num_positions):
+        batch, num_slots, g, _ = streams.shape
+        logits = self.head(streams)
+        full = logits.new_full((batch, num_positions, g, logits.shape[-1]), float("nan"))
+        b, s = valid.nonzero(as_tuple=True)
+        full[b, index[b, s]] = logits[b, s]
+        return full
+
+    def _loss(self, lower, main, streams, index, valid, labels, chunk):
+        cfg = self.stream_config
+        batch, num_positions = labels.shape
+        ignore = labels.new_full((batch, 1), -100)
+        next_labels = torch.cat([labels[:, 1:], ignore], dim=1)  # target of position t is labels[t+1]
+        parts: dict[str, tuple[torch.Tensor, int]] = {"main": chunked_cross_entropy(self.head, main, next_labels, chunk)}
+        # Stream j of the slot at position t predicts labels[t+1+j]; past the end there is none.
+        padded = torch.cat([labels, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
+        for j in range(1, cfg.num_streams + 1):
+            targets = padded.gather(1, index + 1 + j).masked_fill(~valid, -100)
+            parts[f"stream_{j}"] = chunked_cross_entropy(self.head, streams[:, :, j - 1], targets, chunk)
+        parts["early_exit"] = chunked_cross_entropy(
+            lambda h: self.head(self.streams.early_exit(h)), lower.detach(), next_labels, chunk
+        )
+        weights = {"main": cfg.main_weight, "early_exit": 1.0}
+        weights.update({f"stream_{j + 1}": w for j, w in enumerate(cfg.stream_weights)})
+        means = {name: total / max(count, 1) for name, (total, count) in parts.items()}
+        loss = sum(weights[name] * value for name, value in means.items())
+        return loss, {name: value.detach() for name, value in means.items()}
+
+
+def add_streams(model: nn.Module, config: StreamConfig | None = None) -> StreamedModel:
+    """Patch a transformers causal LM (or a peft model around one) with speculative streams.
+
+    Args:
+        model: a causal-LM instance of a supported architecture (llama, qwen2, mistral, gpt2).
+        config: the streams to add; default `StreamConfig()`.
+    """
+    if isinstance(model, StreamedModel):
+        raise ValueError("this model already has streams")
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"add_streams needs a transformers causal-LM model, got {type(model).__name__}")
+    return StreamedModel(model, config if config is not None else StreamConfig())
