@@ -170,6 +170,14 @@ class StreamedModel(nn.Module):
         self.base = get_peft_model(self.base, lora_config)
         return self
 
+    def save_pretrained(self, directory, merge: bool = False, tokenizer=None):
+        """Write a streamed checkpoint: only the new weights (and LoRA adapter), or with
+        ``merge=True`` a self-contained folder with the base (LoRA merged). See
+        `streamspec.checkpoint`; load it back with `streamspec.load_streamed`."""
+        from .checkpoint import save_streamed
+
+        return save_streamed(self, directory, merge=merge, tokenizer=tokenizer)
+
     def num_stream_parameters(self) -> int:
         """Parameters added by the patch (stream identifiers, init map, early-exit adapter)."""
         return sum(p.numel() for p in self.streams.parameters())

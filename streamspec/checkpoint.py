@@ -1,0 +1,177 @@
+"""Streamed checkpoints: save only what is new, load back strictly.
+
+A streamed checkpoint folder holds
+
+- ``stream_config.json``: the `StreamConfig`, the format version, and the base model it was made
+  for (``name_or_path`` plus architecture facts checked on load);
+- ``streams.safetensors``: the `StreamParameters` weights;
+- ``adapter/``: the peft LoRA adapter, when one is attached;
+- with ``merge=True`` instead: the base weights with any LoRA merged in (``config.json``,
+  ``model.safetensors``, tokenizer files when given), so the folder needs nothing else.
+
+Loading refuses a checkpoint whose keys or shapes do not match, or whose base model differs in
+architecture or size: a half-random model is never returned.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import StreamConfig
+from .model import StreamedModel, add_streams
+
+FORMAT = "streamspec-streamed-checkpoint"
+FORMAT_VERSION = 1
+CONFIG_FILE = "stream_config.json"
+WEIGHTS_FILE = "streams.safetensors"
+ADAPTER_DIR = "adapter"
+_CHECKED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+
+
+class CheckpointError(ValueError):
+    """A streamed checkpoint is malformed or does not match the model it is loaded into."""
+
+
+def _base_facts(config) -> dict[str, Any]:
+    return {name: getattr(config, name, None) for name in _CHECKED_FIELDS}
+
+
+def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = False, tokenizer=None) -> Path:
+    """Write `model` as a streamed checkpoint (see the module docstring); returns the folder."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = model.config
+    base_ref: dict[str, Any] = {"name_or_path": getattr(hf_config, "_name_or_path", None), **_base_facts(hf_config)}
+    adapter = None
+    if merge:
+        base = copy.deepcopy(model.base)
+        if model.has_lora:
+            base = base.merge_and_unload()
+        base.save_pretrained(out)
+        base_ref["name_or_path"] = None  # the base is this folder
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+    elif model.has_lora:
+        model.base.save_pretrained(out / ADAPTER_DIR)
+        adapter = ADAPTER_DIR
+    if not merge and not base_ref["name_or_path"]:
+        raise CheckpointError(
+            "the base model has no name or path to record (config._name_or_path is empty); save with merge=True"
+        )
+    state = {k: v.detach().contiguous().cpu() for k, v in model.streams.state_dict().items()}
+    save_file(state, out / WEIGHTS_FILE, metadata={"format": FORMAT})
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "stream_config": model.stream_config.to_dict(),
+        "base_model": base_ref,
+        "merged": merge,
+        "adapter": adapter,
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
+    """The parsed ``stream_config.json`` of a streamed checkpoint, checked for format."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a streamed checkpoint: {CONFIG_FILE} is missing")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a streamspec checkpoint (format={meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format_version {meta.get('format_version')!r}; this streamspec reads version {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def load_streamed(
+    directory: str | Path,
+    base_model: nn.Module | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> StreamedModel:
+    """Rebuild a `StreamedModel` from a streamed checkpoint.
+
+    Args:
+        directory: the checkpoint folder.
+        base_model: the base causal LM (an instance, or a hub id / path) to attach the streams to;
+            default: the one recorded in the checkpoint (or the folder itself when merged).
+        dtype: dtype used when the base is loaded here.
+    """
+    from .assets import load_base_model
+
+    folder = Path(directory)
+    meta = read_checkpoint_meta(folder)
+    recorded = meta["base_model"]
+    if base_model is None:
+        base_model = str(folder) if meta.get("merged") else recorded.get("name_or_path")
+        if not base_model:
+            raise CheckpointError(f"{folder} records no base model; pass base_model=")
+    if isinstance(base_model, (str, Path)):
+        base_model = load_base_model(str(base_model), dtype=dtype)
+    if hasattr(base_model, "peft_config") or isinstance(base_model, StreamedModel):
+        raise CheckpointError("pass the plain base model: the checkpoint carries its own adapter and streams")
+    actual = _base_facts(base_model.config)
+    wrong = {k: (recorded.get(k), actual[k]) for k in _CHECKED_FIELDS if recorded.get(k) != actual[k]}
+    if wrong:
+        details = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in wrong.items())
+        raise CheckpointError(f"the base model does not match the checkpoint in {folder} ({details})")
+
+    config = StreamConfig.from_dict(meta["stream_config"])
+    if meta.get("adapter"):
+        base_model = _load_adapter(base_model, folder / meta["adapter"])
+    model = add_streams(base_model, config)
+    _load_stream_weights(model, folder / WEIGHTS_FILE)
+    return model.eval()
+
+
+def _load_stream_weights(model: StreamedModel, path: Path) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    saved = load_file(path)
+    expected = model.streams.state_dict()
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    shapes = sorted(k for k in set(saved) & set(expected) if saved[k].shape != expected[k].shape)
+    if missing or unexpected or shapes:
+        problems = []
+        if missing:
+            problems.append(f"missing {missing}")
+        if unexpected:
+            problems.append(f"unexpected {unexpected}")
+        if shapes:
+            problems.append(
+                "mis-shaped " + ", ".join(f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}" for k in shapes)
+            )
+        raise CheckpointError(f"{path} does not match the stream config: " + "; ".join(problems))
+    model.streams.load_state_dict(saved, strict=True)
+
+
+def _load_adapter(base: nn.Module, folder: Path) -> nn.Module:
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    weights = folder / "adapter_model.safetensors"
+    if not (folder / "adapter_config.json").is_file() or not weights.is_file():
+        raise CheckpointError(f"the adapter in {folder} is incomplete (adapter_config.json and adapter_model.safetensors needed)")
+    model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
+    state = load_file(weights)
+    try:
+        result = set_peft_model_state_dict(model, state)
+    except RuntimeError as err:  # size mismatch
+        raise CheckpointError(f"the adapter in {folder} does not fit the base model: {err}") from err
+    missing = sorted(k for k in result.missing_keys if "lora_" in k)
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"the adapter in {folder} does not match the base model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {sorted(result.unexpected_keys)[:5]}"
+        )
+    return model

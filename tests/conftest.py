@@ -1,0 +1,113 @@
+"""Shared helpers: tiny, randomly initialised causal LMs of every supported architecture.
+
+Everything is built from a config (no download) and is small enough that a forward pass takes
+milliseconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from streamspec.layout import position_ids_from_mask
+
+VOCAB = 101
+HIDDEN = 32
+LAYERS = 4
+HEADS = 4
+KV_HEADS = 2
+INTERMEDIATE = 64
+MAX_POS = 64
+
+ARCHS = ("llama", "qwen2", "mistral", "gpt2")
+
+# LoRA target modules per architecture (attention projections).
+LORA_TARGETS = {
+    "llama": ["q_proj", "v_proj"],
+    "qwen2": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "gpt2": ["c_attn"],
+}
+
+
+def make_config(arch: str, attn_implementation: str = "sdpa"):
+    """A tiny transformers config of the given architecture family."""
+    llama_like = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=INTERMEDIATE,
+        max_position_embeddings=MAX_POS,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        config = LlamaConfig(**llama_like)
+    elif arch == "qwen2":
+        config = Qwen2Config(use_sliding_window=False, **llama_like)
+    elif arch == "mistral":
+        config = MistralConfig(sliding_window=None, **llama_like)
+    elif arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_inner=INTERMEDIATE,
+            n_positions=MAX_POS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    else:  # pragma: no cover - misuse of the helper
+        raise KeyError(arch)
+    return config
+
+
+def make_model(arch: str, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A tiny randomly initialised causal LM (eval mode, float32) of the given architecture."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(arch), attn_implementation=attn_implementation)
+    assert model.config._attn_implementation == attn_implementation
+    return model.float().eval()
+
+
+def reference_logits(model, input_ids, attention_mask=None):
+    """Logits of the unpatched HF model with the position ids streamspec uses."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask.bool()),
+        ).logits
+
+
+def random_ids(batch: int, length: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=gen)
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_model(arch):
+    return make_model(arch)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    torch.manual_seed(1234)
+    yield
