@@ -1,0 +1,63 @@
+"""Measurements of training cost: peak memory and time of one forward+backward step.
+
+Peak memory is the process's resident-set high-water mark (Linux VmHWM), reset just before the
+step, so model loading does not count. Run each variant in its own process (`eval/train_memory.py`
+does) so that allocator caches from one variant do not flatter the next.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .assets import load_default_model
+from .config import StreamConfig
+from .model import add_streams
+
+VARIANTS = ("plain", "streams")
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status (peak memory is measured on Linux only)")
+
+
+def train_step_memory(variant: str, batch: int = 4, length: int = 512, labelled: int | None = None, seed: int = 0) -> dict:
+    """Peak memory and wall time of one forward+backward training step of the default model.
+
+    Args:
+        variant: ``"plain"`` (the HF model's own forward with labels) or ``"streams"``
+            (shared-mode streams, γ=3, Ns=4, through `StreamedModel.forward`).
+        batch, length: the batch shape (random real token ids).
+        labelled: how many trailing tokens per row carry labels (the completion); the rest are
+            prompt (-100). Default: all of them.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    torch.manual_seed(seed)
+    base = load_default_model().train()
+    model = add_streams(base, StreamConfig()).train() if variant == "streams" else base
+    ids = torch.randint(0, base.config.vocab_size, (batch, length))
+    labels = ids.clone()
+    if labelled is not None:
+        labels[:, : length - labelled] = -100
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
+    before = _rss_kib("VmRSS")
+    start = time.perf_counter()
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    seconds = time.perf_counter() - start
+    peak = _rss_kib("VmHWM")
+    return {
+        "variant": variant,
+        "batch": batch,
+        "length": length,
+        "labelled": labelled if labelled is not None else length,
+        "step_seconds": round(seconds, 2),
+        "peak_step_mib": round((peak - before) / 1024),
+        "peak_rss_mib": round(peak / 1024),
+    }

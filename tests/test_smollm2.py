@@ -1,0 +1,98 @@
+"""The real default model (SmolLM2-135M-Instruct, offline) on real text (Spider questions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from streamspec import StreamConfig, add_streams, load_default_model, load_default_tokenizer
+from streamspec.data import load_spider, sql_prompt
+from streamspec.layout import position_ids_from_mask
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_default_model()
+
+
+def _batch(tokenizer, indices, padding_side="right"):
+    """Chat-formatted Spider prompts + gold SQL; labels cover the SQL (and end-of-turn) only."""
+    rows = load_spider()
+    ids, labels = [], []
+    for i in indices:
+        messages = [{"role": "user", "content": sql_prompt(rows[i]["schema"], rows[i]["question"])}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        p = tokenizer(prompt, add_special_tokens=False).input_ids
+        c = tokenizer(rows[i]["query"] + tokenizer.eos_token, add_special_tokens=False).input_ids
+        ids.append(p + c)
+        labels.append([-100] * len(p) + c)
+    width = max(map(len, ids))
+    pad = tokenizer.pad_token_id
+    def fill(seq, value):
+        gap = [value] * (width - len(seq))
+        return seq + gap if padding_side == "right" else gap + seq
+    input_ids = torch.tensor([fill(s, pad) for s in ids])
+    attention_mask = torch.tensor([fill([1] * len(s), 0) for s in ids])
+    return input_ids, attention_mask, torch.tensor([fill(s, -100) for s in labels])
+
+
+def test_parameter_overhead_matches_readme(base):
+    model = add_streams(base, StreamConfig())
+    # README: 3·576 stream vectors + 2·576·8 early-exit adapter = 10,944.
+    assert model.num_stream_parameters() == 3 * 576 + 2 * 576 * 8 == 10_944
+
+
+def test_lossless_equals_base_on_real_text(base, tokenizer):
+    ids, mask, _ = _batch(tokenizer, [0, 40], padding_side="left")
+    model = add_streams(base, StreamConfig(mode="lossless")).eval()
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask).logits
+        ref = base(ids, attention_mask=mask, position_ids=position_ids_from_mask(mask.bool())).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours[real].argmax(-1), ref[real].argmax(-1))
+    assert not any(p.requires_grad for p in base.parameters())
+    for p in base.parameters():  # the fixture is shared: leave the base as we found it
+        p.requires_grad_(True)
+
+
+def test_shared_mode_training_lowers_loss_on_real_text(tokenizer):
+    torch.manual_seed(0)
+    ids, mask, labels = _batch(tokenizer, [0, 7])
+    model = add_streams(load_default_model(), StreamConfig(mode="shared"))  # own copy: LoRA mutates it
+    model.add_lora(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=3e-3)
+    history = []
+    for _ in range(6):
+        out = model(ids, attention_mask=mask, labels=labels)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        history.append({"loss": out.loss.item(), **{k: v.item() for k, v in out.loss_parts.items()}})
+    first, last = history[0], history[-1]
+    assert last["loss"] < 0.8 * first["loss"], history
+    for part in ("stream_1", "stream_2", "stream_3", "early_exit"):
+        assert last[part] < first[part], (part, history)
+    # The LoRA and the stream parameters both moved; the frozen base did not get gradients.
+    assert model.streams.stream_embeddings.grad is not None
+    assert any("lora_" in n and p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters())
+    assert all(p.grad is None for n, p in model.base.named_parameters() if "lora_" not in n)
+
+
+def test_demo_shows_overhead_and_lossless_check(capsys):
+    from streamspec.demo import run_demo
+
+    numbers = run_demo()
+    shown = capsys.readouterr().out
+    assert numbers["added_parameters"] == 10_944 and "10,944" in shown
+    assert numbers["lossless_max_diff"] < 1e-3
+    for line in ("main     predicts t+1", "stream 1 predicts t+2", "stream 3 predicts t+4", "early exit"):
+        assert line in shown
