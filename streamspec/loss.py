@@ -1,48 +1,107 @@
 """Cross-entropy through the LM head without materialising every logit at once.
 
 With γ streams the top layers produce (1+γ)·T hidden states per sequence; their logits over a
-49k vocabulary would be the largest tensor of a training step. Only positions with a target are
-sent through the head, a chunk at a time, and under autograd each chunk is recomputed in the
-backward pass instead of being stored.
+49k vocabulary would be the largest tensor of a training step. Only rows with a target are sent
+through the head, a chunk at a time. For a plain linear head the gradients are computed in the
+same pass (fused linear cross-entropy), so nothing is recomputed and no chunk's logits outlive
+it; any other head goes through activation checkpointing per chunk.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Σ_i w_i · CE(x_i·Wᵀ + b, y_i); forward also computes the gradients, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, row_weights, chunk_size):
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        per_row = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        for start in range(0, x.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            xs, ys, ws = x[rows], targets[rows], row_weights[rows]
+            logits = F.linear(xs, weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            ce = lse - logits.gather(1, ys[:, None])[:, 0]
+            per_row[rows] = ce
+            total += (ce * ws).sum()
+            if need_x or need_w or need_b:
+                # d(w·CE)/dlogits = w·(softmax − onehot), reusing the logits buffer.
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad[torch.arange(len(ys), device=x.device), ys] -= 1
+                grad.mul_(ws[:, None])
+                if need_x:
+                    grad_x[rows] = (grad.to(weight.dtype) @ weight).to(x.dtype)
+                if need_w:
+                    grad_w += grad.t() @ xs.float()
+                if need_b:
+                    grad_b += grad.sum(0)
+        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(per_row)
+        return total, per_row
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_per_row):
+        grads = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
+        return (*grads, None, None, None)
 
 
-def chunked_cross_entropy(
-    head: Callable[[torch.Tensor], torch.Tensor],
+def _checkpointed_rows(head, x, targets):
+    return F.cross_entropy(head(x).float(), targets, reduction="none")
+
+
+def frozen(module: nn.Module):
+    """`module` as a function of its input only: its parameters are used detached, so a loss
+    computed through it sends no gradient into them."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    return lambda *args: torch.func.functional_call(module, params, args)
+
+
+def weighted_cross_entropy(
+    head: nn.Module,
     hidden: torch.Tensor,
     targets: torch.Tensor,
+    row_weights: torch.Tensor,
     chunk_size: int = 1024,
-) -> tuple[torch.Tensor, int]:
-    """Sum of CE(head(hidden[i]), targets[i]) over rows whose target is not -100.
+    freeze_head: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_i row_weights[i] · CE(head(hidden[i]), targets[i]) over [N, h] rows that all have a target.
 
     Args:
-        head: hidden [N, h] -> logits [N, V].
-        hidden: [..., h] hidden states.
-        targets: [...] token ids, -100 where no loss is taken.
+        head: the LM head module (hidden -> logits).
+        hidden: [N, h] rows, already through the final norm.
+        targets: [N] token ids (no -100 here: select rows first).
+        row_weights: [N] float weights (e.g. a term's weight ÷ its row count).
         chunk_size: rows per head call.
+        freeze_head: send no gradient into the head's parameters (only into `hidden`).
 
-    Returns the summed loss (a 0-dim tensor) and the number of rows it covers.
+    Returns the weighted sum (a differentiable 0-dim tensor) and each row's CE (detached).
     """
-    keep = targets != -100
-    rows, labels = hidden[keep], targets[keep]
-    count = int(labels.numel())
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, count, chunk_size):
-        h, y = rows[start : start + chunk_size], labels[start : start + chunk_size]
+    row_weights = row_weights.to(torch.float32)
+    if type(head) is nn.Linear and head.weight.dim() == 2 and head.weight.numel() > 0:
+        weight, bias = head.weight, head.bias
+        if freeze_head:
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
+        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, chunk_size)
+    # Any other head (a peft-wrapped or partitioned one): checkpoint each chunk instead.
+    if freeze_head:
+        head = frozen(head)
+    per_row = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        x, y = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, head, h, y, use_reentrant=False)
+            per_row.append(checkpoint(_checkpointed_rows, head, x, y, use_reentrant=False))
         else:
-            total = total + _chunk_loss(head, h, y)
-    return total, count
+            per_row.append(_checkpointed_rows(head, x, y))
+    ce = torch.cat(per_row) if per_row else hidden.new_zeros(0, dtype=torch.float32)
+    return (ce * row_weights).sum(), ce.detach()

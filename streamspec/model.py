@@ -35,7 +35,7 @@ from .layout import (
     stream_slots,
     to_bias,
 )
-from .loss import chunked_cross_entropy
+from .loss import frozen, weighted_cross_entropy
 
 
 @dataclass
@@ -154,10 +154,12 @@ class StreamedModel(nn.Module):
     def early_exit_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Early-exit logits from hidden states at the input of layer N−Ns.
 
-        The input is detached: the adapter is an estimator for pruning and is trained by its own
-        next-token loss, which should not reshape the base (or its LoRA) to suit layer N−Ns.
+        The adapter is an estimator for pruning, trained by its own next-token loss; that loss
+        must not reshape the base (its layers, LoRA, final norm or LM head) to suit layer N−Ns,
+        so the input is detached and the norm and head are used with detached weights.
         """
-        return self.head(self.streams.early_exit(hidden.detach()))
+        norm = frozen(getattr(self.decoder, self.arch.norm))
+        return frozen(self.hf_model.get_output_embeddings())(norm(self.streams.early_exit(hidden.detach())))
 
     def add_lora(self, lora_config) -> "StreamedModel":
         """Attach a peft LoRA adapter to the base (shared mode only); returns self."""
@@ -351,24 +353,48 @@ class StreamedModel(nn.Module):
         return full
 
     def _loss(self, lower, main, streams, index, valid, labels, chunk):
+        """Weighted sum of the main, stream and early-exit cross-entropies, each a mean over its
+        rows with a target; only those rows go through the LM head."""
         cfg = self.stream_config
-        batch, num_positions = labels.shape
+        batch = labels.shape[0]
         ignore = labels.new_full((batch, 1), -100)
         next_labels = torch.cat([labels[:, 1:], ignore], dim=1)  # target of position t is labels[t+1]
-        parts: dict[str, tuple[torch.Tensor, int]] = {"main": chunked_cross_entropy(self.head, main, next_labels, chunk)}
+        norm = getattr(self.decoder, self.arch.norm)
+        # (name, hidden states, targets, weight, transform applied to the selected rows)
+        terms = [("main", main, next_labels, cfg.main_weight, norm)]
         # Stream j of the slot at position t predicts labels[t+1+j]; past the end there is none.
         padded = torch.cat([labels, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
-        for j in range(1, cfg.num_streams + 1):
+        for j, weight in enumerate(cfg.stream_weights, start=1):
             targets = padded.gather(1, index + 1 + j).masked_fill(~valid, -100)
-            parts[f"stream_{j}"] = chunked_cross_entropy(self.head, streams[:, :, j - 1], targets, chunk)
-        parts["early_exit"] = chunked_cross_entropy(
-            lambda h: self.head(self.streams.early_exit(h)), lower.detach(), next_labels, chunk
-        )
-        weights = {"main": cfg.main_weight, "early_exit": 1.0}
-        weights.update({f"stream_{j + 1}": w for j, w in enumerate(cfg.stream_weights)})
-        means = {name: total / max(count, 1) for name, (total, count) in parts.items()}
-        loss = sum(weights[name] * value for name, value in means.items())
-        return loss, {name: value.detach() for name, value in means.items()}
+            terms.append((f"stream_{j}", streams[:, :, j - 1], targets, weight, norm))
+
+        head = self.hf_model.get_output_embeddings()
+        loss, means = _term_losses(head, terms, chunk)
+        # The early-exit term reaches only the adapter (see early_exit_head).
+        exit_norm = frozen(norm)
+        exit_term = [("early_exit", lower.detach(), next_labels, 1.0, lambda h: exit_norm(self.streams.early_exit(h)))]
+        exit_loss, exit_mean = _term_losses(head, exit_term, chunk, freeze_head=True)
+        parts = {name: value for (name, *_), value in zip(terms + exit_term, means + exit_mean)}
+        return loss + exit_loss, parts
+
+
+def _term_losses(head, terms, chunk, freeze_head=False):
+    """Weighted sum over loss terms ``(name, hidden, targets, weight, transform)``, each term a mean
+    over its rows with a target, in one pass through the head over those rows only. Returns the
+    differentiable sum and each term's mean (detached)."""
+    rows, targets, weights, counts = [], [], [], []
+    for _, hidden, target, weight, transform in terms:
+        keep = target != -100
+        count = int(keep.sum())
+        rows.append(transform(hidden[keep]))
+        targets.append(target[keep])
+        weights.append(hidden.new_full((count,), weight / max(count, 1), dtype=torch.float32))
+        counts.append(count)
+    loss, per_row = weighted_cross_entropy(
+        head, torch.cat(rows), torch.cat(targets), torch.cat(weights), chunk, freeze_head=freeze_head
+    )
+    means = [(ce.sum() / max(count, 1)).detach() for ce, count in zip(per_row.split(counts), counts)]
+    return loss, means
 
 
 def add_streams(model: nn.Module, config: StreamConfig | None = None) -> StreamedModel:

@@ -111,3 +111,13 @@ def tiny_model(arch):
 def _fixed_seed():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny models run much faster on one intra-op thread (no spin-waiting on a busy second
+    core); restored afterwards so tests with real-size models keep every core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

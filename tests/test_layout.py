@@ -1,4 +1,4 @@
-"""Pure tests of streamspec.layout, streamspec.cache and streamspec.loss (no model involved)."""
+"""Pure tests of streamspec.layout and streamspec.cache (no model involved)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from streamspec.cache import MainStreamCache
 from streamspec.layout import (
@@ -19,9 +18,11 @@ from streamspec.layout import (
     stream_slots,
     to_bias,
 )
-from streamspec.loss import chunked_cross_entropy
 
 B = torch.tensor
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,50 +333,3 @@ def test_cache_keep_skips_empty_layers():
     cache.keep(2, torch.tensor([1]))
     assert cache.keys[1] is None
     assert torch.equal(cache.keys[0], k[..., [0, 1, 3], :])
-
-
-# ---------------------------------------------------------------------------------------------
-# chunked_cross_entropy
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, 16, 1024])
-def test_chunked_cross_entropy_matches_full(chunk_size):
-    torch.manual_seed(0)
-    h, V = 6, 11
-    head = torch.nn.Linear(h, V)
-    hidden = torch.randn(2, 8, h, requires_grad=True)
-    targets = torch.randint(0, V, (2, 8))
-    targets[0, :3] = -100
-    targets[1, 5] = -100
-    keep = targets != -100
-
-    total, count = chunked_cross_entropy(head, hidden, targets, chunk_size=chunk_size)
-    assert count == int(keep.sum())
-    assert total.dim() == 0
-    total.backward()
-    got_hidden = hidden.grad.clone()
-    got_w, got_b = head.weight.grad.clone(), head.bias.grad.clone()
-
-    hidden.grad = None
-    head.zero_grad()
-    ref = F.cross_entropy(head(hidden)[keep], targets[keep], reduction="sum")
-    ref.backward()
-    torch.testing.assert_close(total, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_hidden, hidden.grad, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got_w, head.weight.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_b, head.bias.grad, atol=1e-5, rtol=1e-5)
-    # rows without a target get no gradient
-    assert (got_hidden[~keep] == 0).all()
-
-
-def test_chunked_cross_entropy_no_grad_and_empty():
-    torch.manual_seed(1)
-    head = torch.nn.Linear(4, 5)
-    hidden = torch.randn(3, 4)
-    targets = torch.tensor([1, -100, 4])
-    with torch.no_grad():
-        total, count = chunked_cross_entropy(head, hidden, targets, chunk_size=1)
-    ref = F.cross_entropy(head(hidden)[[0, 2]], targets[[0, 2]], reduction="sum")
-    assert count == 2
-    torch.testing.assert_close(total, ref.detach())
-    total, count = chunked_cross_entropy(head, hidden, torch.full((3,), -100))
-    assert count == 0 and total.item() == 0.0
