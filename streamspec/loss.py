@@ -72,7 +72,7 @@ def weighted_cross_entropy(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     row_weights: torch.Tensor,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
     freeze_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_i row_weights[i] · CE(head(hidden[i]), targets[i]) over [N, h] rows that all have a target.

@@ -285,7 +285,7 @@ class StreamedModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         return_logits: bool | None = None,
-        loss_chunk_size: int = 1024,
+        loss_chunk_size: int = 256,
         **unused: Any,
     ) -> StreamedOutput:
         """Main, stream and early-exit predictions for a batch, and the loss when labels are given.
