@@ -169,7 +169,6 @@ def _reference_stream_allowed(main_ok, index, valid, g, shared):
     """Brute-force the METHOD §1 rules, one (query, key) pair at a time."""
     batch, T, K = main_ok.shape
     S = index.shape[1]
-    P = K - T
     Q = T + S * g
     out = torch.zeros(batch, Q, K + S * g, dtype=torch.bool)
     for b in range(batch):
