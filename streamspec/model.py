@@ -93,6 +93,9 @@ class StreamParameters(nn.Module):
         return hidden + self.exit_up(self.exit_down(hidden))
 
 
+_LOSSLESS_NO_LORA = "mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter"
+
+
 def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
@@ -111,7 +114,7 @@ class StreamedModel(nn.Module):
         self.arch: ArchSpec = arch_spec(hf.config)
         config.check_model(hf.config.num_hidden_layers)
         if config.mode == "lossless" and _is_peft(base):
-            raise ValueError("mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter")
+            raise ValueError(_LOSSLESS_NO_LORA)
         hidden = hf.config.hidden_size
         init_std = float(getattr(hf.config, "initializer_range", 0.02))
         param = next(hf.parameters())
@@ -158,15 +161,18 @@ class StreamedModel(nn.Module):
         must not reshape the base (its layers, LoRA, final norm or LM head) to suit layer N−Ns,
         so the input is detached and the norm and head are used with detached weights.
         """
-        norm = frozen(getattr(self.decoder, self.arch.norm))
-        return frozen(self.hf_model.get_output_embeddings())(norm(self.streams.early_exit(hidden.detach())))
+        return frozen(self.hf_model.get_output_embeddings())(self._early_exit_hidden(hidden))
+
+    def _early_exit_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Adapter then final norm (with detached weights), on a detached input: see early_exit_head."""
+        return frozen(getattr(self.decoder, self.arch.norm))(self.streams.early_exit(hidden.detach()))
 
     def add_lora(self, lora_config) -> "StreamedModel":
         """Attach a peft LoRA adapter to the base (shared mode only); returns self."""
         from peft import get_peft_model
 
         if self.stream_config.mode == "lossless":
-            raise ValueError("mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter")
+            raise ValueError(_LOSSLESS_NO_LORA)
         if self.has_lora:
             raise ValueError("a LoRA adapter is already attached")
         self.base = get_peft_model(self.base, lora_config)
@@ -371,8 +377,7 @@ class StreamedModel(nn.Module):
         head = self.hf_model.get_output_embeddings()
         loss, means = _term_losses(head, terms, chunk)
         # The early-exit term reaches only the adapter (see early_exit_head).
-        exit_norm = frozen(norm)
-        exit_term = [("early_exit", lower.detach(), next_labels, 1.0, lambda h: exit_norm(self.streams.early_exit(h)))]
+        exit_term = [("early_exit", lower, next_labels, 1.0, self._early_exit_hidden)]
         exit_loss, exit_mean = _term_losses(head, exit_term, chunk, freeze_head=True)
         parts = {name: value for (name, *_), value in zip(terms + exit_term, means + exit_mean)}
         return loss + exit_loss, parts
