@@ -105,3 +105,15 @@ def weighted_cross_entropy(
             per_row.append(_checkpointed_rows(head, x, y))
     ce = torch.cat(per_row) if per_row else hidden.new_zeros(0, dtype=torch.float32)
     return (ce * row_weights).sum(), ce.detach()
+
+
+@torch.no_grad()
+def cross_entropy_and_top1(head, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = 256) -> tuple[float, int]:
+    """Summed CE and the number of rows whose top-1 prediction equals the target, chunk by chunk."""
+    loss_sum, correct = 0.0, 0
+    for start in range(0, hidden.shape[0], chunk_size):
+        logits = head(hidden[start : start + chunk_size]).float()
+        y = targets[start : start + chunk_size]
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(-1) == y).sum())
+    return loss_sum, correct

@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import nn
 from transformers.utils import ModelOutput
@@ -35,7 +33,7 @@ from .layout import (
     stream_slots,
     to_bias,
 )
-from .loss import frozen, weighted_cross_entropy
+from .loss import cross_entropy_and_top1, frozen, weighted_cross_entropy
 
 
 @dataclass
@@ -292,7 +290,6 @@ class StreamedModel(nn.Module):
         labels: torch.Tensor | None = None,
         return_logits: bool | None = None,
         loss_chunk_size: int = 256,
-        **unused: Any,
     ) -> StreamedOutput:
         """Main, stream and early-exit predictions for a batch, and the loss when labels are given.
 
@@ -305,27 +302,48 @@ class StreamedModel(nn.Module):
             return_logits: also return the full logits tensors; default: only without labels.
             loss_chunk_size: positions per LM-head call in the loss.
         """
-        if unused:
-            raise TypeError(f"StreamedModel.forward got unexpected argument(s) {sorted(unused)}")
-        real, labels = self._check_inputs(input_ids, attention_mask, labels)
+        lower, main, streams, index, valid, carry, labels = self._hidden(input_ids, attention_mask, labels)
         if return_logits is None:
             return_logits = labels is None
-        carry = carrying_positions(real, labels)
-        index, valid = stream_slots(carry)
-        position_ids = position_ids_from_mask(real)
-        main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
-
-        lower = self.run_lower(input_ids, position_ids, main_ok)
-        main, streams = self.run_upper(lower, position_ids, main_ok, index, valid)
-
         out = StreamedOutput(stream_mask=carry)
         if labels is not None:
-            out.loss, out.loss_parts = self._loss(lower, main, streams, index, valid, labels, loss_chunk_size)
+            out.loss, out.loss_parts = self._loss(self._terms(lower, main, streams, index, valid, labels), loss_chunk_size)
         if return_logits:
             out.logits = self.head(main)
             out.early_exit_logits = self.early_exit_head(lower)
             out.stream_logits = self._scatter_stream_logits(streams, index, valid, input_ids.shape[1])
         return out
+
+    @torch.no_grad()
+    def evaluate_counts(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+        chunk_size: int = 256,
+    ) -> dict[str, float]:
+        """Sums for validation, per term (``main``, ``stream_j``, ``early_exit``): ``{term}_loss_sum``,
+        ``{term}_correct`` (top-1 equals the target; for stream j the token at t+1+j) and
+        ``{term}_count``. Needs labels; never builds the full logits."""
+        if labels is None:
+            raise ValueError("evaluate_counts needs labels")
+        lower, main, streams, index, valid, _, labels = self._hidden(input_ids, attention_mask, labels)
+        head = self.hf_model.get_output_embeddings()
+        sums: dict[str, float] = {}
+        for name, hidden, target, _, transform in self._terms(lower, main, streams, index, valid, labels):
+            keep = target != -100
+            loss_sum, correct = cross_entropy_and_top1(head, transform(hidden[keep]), target[keep], chunk_size)
+            sums.update({f"{name}_loss_sum": loss_sum, f"{name}_correct": correct, f"{name}_count": int(keep.sum())})
+        return sums
+
+    def _hidden(self, input_ids, attention_mask, labels):
+        """The shared forward: final main and stream hidden states (before the final norm) and the
+        hidden states at the input of layer N−Ns, with the stream layout."""
+        real, labels = self._check_inputs(input_ids, attention_mask, labels)
+        carry = carrying_positions(real, labels)
+        index, valid = stream_slots(carry)
+        position_ids = position_ids_from_mask(real)
+        main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
+        lower = self.run_lower(input_ids, position_ids, main_ok)
+        main, streams = self.run_upper(lower, position_ids, main_ok, index, valid)
+        return lower, main, streams, index, valid, carry, labels
 
     def _check_inputs(self, input_ids, attention_mask, labels):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -358,28 +376,31 @@ class StreamedModel(nn.Module):
         full[b, index[b, s]] = logits[b, s]
         return full
 
-    def _loss(self, lower, main, streams, index, valid, labels, chunk):
-        """Weighted sum of the main, stream and early-exit cross-entropies, each a mean over its
-        rows with a target; only those rows go through the LM head."""
+    def _terms(self, lower, main, streams, index, valid, labels):
+        """The loss terms ``(name, hidden, targets, weight, transform)``: main, each stream, and
+        the early exit last. `transform` maps selected hidden rows to what the LM head takes."""
         cfg = self.stream_config
         batch = labels.shape[0]
         ignore = labels.new_full((batch, 1), -100)
         next_labels = torch.cat([labels[:, 1:], ignore], dim=1)  # target of position t is labels[t+1]
         norm = getattr(self.decoder, self.arch.norm)
-        # (name, hidden states, targets, weight, transform applied to the selected rows)
         terms = [("main", main, next_labels, cfg.main_weight, norm)]
         # Stream j of the slot at position t predicts labels[t+1+j]; past the end there is none.
         padded = torch.cat([labels, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
         for j, weight in enumerate(cfg.stream_weights, start=1):
             targets = padded.gather(1, index + 1 + j).masked_fill(~valid, -100)
             terms.append((f"stream_{j}", streams[:, :, j - 1], targets, weight, norm))
+        terms.append(("early_exit", lower, next_labels, 1.0, self._early_exit_hidden))
+        return terms
 
+    def _loss(self, terms, chunk):
+        """Weighted sum of the terms' cross-entropies, each a mean over its rows with a target;
+        only those rows go through the LM head. The early-exit term (last) reaches only its
+        adapter (see early_exit_head)."""
         head = self.hf_model.get_output_embeddings()
-        loss, means = _term_losses(head, terms, chunk)
-        # The early-exit term reaches only the adapter (see early_exit_head).
-        exit_term = [("early_exit", lower, next_labels, 1.0, self._early_exit_hidden)]
-        exit_loss, exit_mean = _term_losses(head, exit_term, chunk, freeze_head=True)
-        parts = {name: value for (name, *_), value in zip(terms + exit_term, means + exit_mean)}
+        loss, means = _term_losses(head, terms[:-1], chunk)
+        exit_loss, exit_mean = _term_losses(head, terms[-1:], chunk, freeze_head=True)
+        parts = {name: value for (name, *_), value in zip(terms, means + exit_mean)}
         return loss + exit_loss, parts
 
 

