@@ -157,15 +157,25 @@ def _load_stream_weights(model: StreamedModel, path: Path) -> None:
 
 
 def _load_adapter(base: nn.Module, folder: Path) -> nn.Module:
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    """Wrap `base` in the adapter saved in `folder` (strictly: every LoRA weight must load)."""
+    from peft import LoraConfig, get_peft_model
+
+    if not (folder / "adapter_config.json").is_file():
+        raise CheckpointError(f"the adapter in {folder} is incomplete (adapter_config.json missing)")
+    model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
+    _load_adapter_weights(model, folder)
+    return model
+
+
+def _load_adapter_weights(model: nn.Module, folder: Path) -> None:
+    """Load `folder`'s adapter weights into a peft model that already has the adapter's shape."""
+    from peft import set_peft_model_state_dict
 
     weights = folder / "adapter_model.safetensors"
-    if not (folder / "adapter_config.json").is_file() or not weights.is_file():
-        raise CheckpointError(f"the adapter in {folder} is incomplete (adapter_config.json and adapter_model.safetensors needed)")
-    model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
-    state = load_file(weights)
+    if not weights.is_file():
+        raise CheckpointError(f"the adapter in {folder} is incomplete (adapter_model.safetensors missing)")
     try:
-        result = set_peft_model_state_dict(model, state)
+        result = set_peft_model_state_dict(model, load_file(weights))
     except RuntimeError as err:  # size mismatch
         raise CheckpointError(f"the adapter in {folder} does not fit the base model: {err}") from err
     missing = sorted(k for k in result.missing_keys if "lora_" in k)
@@ -174,4 +184,23 @@ def _load_adapter(base: nn.Module, folder: Path) -> nn.Module:
             f"the adapter in {folder} does not match the base model: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {sorted(result.unexpected_keys)[:5]}"
         )
-    return model
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
+    """Re-save a training checkpoint (or any streamed checkpoint) as a streamed checkpoint in
+    `out`, optionally merged and self-contained. The result is loaded back and checked."""
+    from .assets import load_tokenizer
+
+    folder = Path(checkpoint)
+    meta = read_checkpoint_meta(folder)
+    model = load_streamed(folder)
+    tokenizer = None
+    if merge:
+        source = str(folder) if meta.get("merged") else meta["base_model"]["name_or_path"]
+        try:
+            tokenizer = load_tokenizer(source)
+        except OSError:
+            tokenizer = None  # a base without tokenizer files: the folder is still loadable
+    target = save_streamed(model, out, merge=merge, tokenizer=tokenizer)
+    load_streamed(target)  # refuse to report success for a folder that does not load
+    return target

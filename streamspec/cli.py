@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -12,12 +13,33 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="add streams to the default model and show what they predict")
     demo.add_argument("--example", type=int, default=0, help="index of the Spider dev question to show")
     sub.add_parser("prepare", help="convert the default model into the cache (done on first use otherwise)")
+    train = sub.add_parser("train", help="fine-tune from a YAML recipe")
+    train.add_argument("--recipe", required=True, help="a YAML recipe, e.g. recipes/smollm2-135m/sql.yaml")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    # Set by the deepspeed launcher; the rank is read from the environment (LOCAL_RANK).
+    train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    export = sub.add_parser("export", help="turn a training checkpoint into a streamed checkpoint")
+    export.add_argument("--checkpoint", required=True, help="a checkpoint-N or final folder of a training run")
+    export.add_argument("--out", required=True, help="the folder to write")
+    export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
         from .demo import run_demo
 
         run_demo(args.example)
+    elif args.command == "train":
+        from .recipe import load_recipe
+        from .training import run_training
+
+        summary = run_training(load_recipe(args.recipe, args.overrides), resume=args.resume)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"trained {summary['steps']} steps in {summary['wall_seconds']} s; streamed checkpoint: {summary.get('export')}")
+    elif args.command == "export":
+        from .checkpoint import export_checkpoint
+
+        print(export_checkpoint(args.checkpoint, args.out, merge=args.merge))
     elif args.command == "prepare":
         from .assets import default_model_path
 

@@ -63,6 +63,7 @@ class DataArgs:
 
     task: str = "sql"
     path: str | None = None
+    validation_path: str | None = None
     dataset: str | None = None
     train_split: str = "train"
     validation_split: str | None = "validation"
@@ -80,8 +81,16 @@ class DataArgs:
         _positive("data.max_length", self.max_length)
         if self.task == "custom" and (self.path is None) == (self.dataset is None):
             raise ValueError("data.task 'custom' needs exactly one of data.path or data.dataset")
-        if self.task != "custom" and (self.path or self.dataset):
-            raise ValueError(f"data.path / data.dataset are for data.task 'custom', not {self.task!r}")
+        if self.task != "custom" and (self.path or self.dataset or self.validation_path):
+            raise ValueError(f"data.path / data.validation_path / data.dataset are for data.task 'custom', not {self.task!r}")
+        if self.validation_path and not self.path:
+            raise ValueError("data.validation_path goes with data.path (for a datasets name use data.validation_split)")
+
+    @property
+    def has_validation(self) -> bool:
+        if self.task != "custom":
+            return True
+        return bool(self.validation_path) if self.path else self.validation_split is not None
 
 
 @dataclass

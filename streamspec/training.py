@@ -1,0 +1,385 @@
+"""Fine-tuning with the transformers `Trainer`: one recipe in, a streamed checkpoint out.
+
+The Trainer brings DeepSpeed, gradient accumulation, schedules, checkpointing, resume and wandb.
+What streamspec adds:
+
+- `build_model` (streams, LoRA, lossless freezing from the recipe) and `build_datasets`;
+- `StreamTrainer`: logs each loss part and tokens/s; validation reports the main loss and the
+  top-1 accuracy of every stream (how often stream j's argmax is the token t+1+j, which predicts
+  decoding speed); checkpoints are streamed checkpoints (only the new weights and the LoRA
+  adapter), which `streamspec export` and `load_streamed` read and resume reloads strictly;
+- `run_training`: the whole job, ending with ``<output_dir>/final`` and ``training_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .assets import load_base_model, load_tokenizer
+from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, _load_adapter_weights, _load_stream_weights, read_checkpoint_meta
+from .data.aclsum import load_aclsum
+from .data.build import PadCollator, load_rows, log_stats, tokenize_rows
+from .data.spider import load_spider
+from .model import StreamedModel, add_streams
+from .recipe import Recipe
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_FILE = "training_summary.json"
+RECIPE_FILE = "recipe.yaml"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(recipe: Recipe):
+    """The model a recipe trains (a `StreamedModel`, or a peft model for the next-token baseline)
+    and its tokenizer."""
+    base = load_base_model(
+        recipe.model.name_or_path, dtype=_DTYPES[recipe.model.dtype], attn_implementation=recipe.model.attn_implementation
+    )
+    tokenizer = load_tokenizer(recipe.model.name_or_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lora = None
+    if recipe.lora.enabled:
+        from peft import LoraConfig
+
+        lora = LoraConfig(
+            r=recipe.lora.r,
+            lora_alpha=recipe.lora.alpha,
+            lora_dropout=recipe.lora.dropout,
+            target_modules=list(recipe.lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+    if recipe.streams is None:
+        from peft import get_peft_model
+
+        return get_peft_model(base, lora), tokenizer
+    model = add_streams(base, recipe.streams)
+    if lora is not None:
+        model.add_lora(lora)
+    return model, tokenizer
+
+
+def task_rows(recipe: Recipe, split: str) -> list[dict]:
+    """The recipe's rows of one split ("train" or "validation")."""
+    data = recipe.data
+    if data.task == "sql":
+        return load_spider(split)
+    if data.task == "summarize":
+        return load_aclsum(split)
+    if split != "train" and not data.has_validation:
+        return []
+    common = dict(prompt_field=data.prompt_field, completion_field=data.completion_field, messages_field=data.messages_field)
+    if data.path is not None:
+        return load_rows(path=data.path if split == "train" else data.validation_path, **common)
+    return load_rows(dataset=data.dataset, split=data.train_split if split == "train" else data.validation_split, **common)
+
+
+def build_datasets(recipe: Recipe, tokenizer):
+    """Tokenised train and validation `datasets.Dataset`s (validation may be None)."""
+    import datasets
+
+    out = []
+    for split, limit in (("train", recipe.data.max_train_examples), ("validation", recipe.data.max_validation_examples)):
+        rows = task_rows(recipe, split)
+        if limit is not None:
+            rows = rows[:limit]
+        if not rows:
+            out.append(None)
+            continue
+        examples, stats = tokenize_rows(rows, tokenizer, recipe.data.max_length, recipe.data.overflow)
+        log_stats(f"{recipe.data.task} {split}", stats, recipe.data.max_length)
+        if not examples:
+            raise ValueError(f"no {split} example is left after tokenisation (max_length={recipe.data.max_length})")
+        out.append(datasets.Dataset.from_list(examples))
+    return out[0], out[1]
+
+
+class StreamTrainer(Trainer):
+    """`Trainer` that logs loss parts and tokens/s, validates stream accuracy, and checkpoints in
+    the streamed format."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._parts: dict[str, float] = {}
+        self._parts_batches = 0
+        self._tokens = 0
+        self._since = time.perf_counter()
+
+    # -- training ------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        parts = getattr(outputs, "loss_parts", None) or {}
+        for name, value in parts.items():
+            self._parts[name] = self._parts.get(name, 0.0) + float(value)
+        self._parts_batches += 1
+        self._tokens += int(inputs["attention_mask"].sum())
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: add the loss parts and throughput since the last one
+            n = max(self._parts_batches, 1)
+            logs.update({f"loss_{name}": round(total / n, 4) for name, total in self._parts.items()})
+            elapsed = time.perf_counter() - self._since
+            tokens = self._tokens * self.args.world_size
+            logs["tokens_per_second"] = round(tokens / elapsed, 1) if elapsed > 0 else 0.0
+            self._parts, self._parts_batches, self._tokens, self._since = {}, 0, 0, time.perf_counter()
+        super().log(logs, start_time)
+
+    # -- validation ----------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        sums: dict[str, float] = {}
+        for batch in dataloader:
+            batch = self._prepare_inputs(batch)
+            for key, value in evaluation_counts(model, batch).items():
+                sums[key] = sums.get(key, 0.0) + value
+        if self.args.world_size > 1:
+            keys = sorted(sums)
+            total = self.accelerator.reduce(torch.tensor([sums[k] for k in keys], device=self.args.device), "sum")
+            sums = dict(zip(keys, total.tolist()))
+        model.train(was_training)
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in summarize_counts(sums).items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        if not isinstance(model, StreamedModel):
+            return super()._save(output_dir, state_dict)  # the next-token baseline: a peft model
+        output_dir = output_dir or self.args.output_dir
+        if not self.args.should_save:
+            return
+        # A full fine-tune (no LoRA, base trainable) must carry the base weights along.
+        merge = not model.has_lora and any(p.requires_grad for p in model.base.parameters())
+        model.save_pretrained(output_dir, merge=merge, tokenizer=self.processing_class if merge else None)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        model = self.accelerator.unwrap_model(model or self.model)
+        if not isinstance(model, StreamedModel):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_training_checkpoint(model, Path(resume_from_checkpoint))
+
+
+def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
+    """Load a streamed checkpoint's weights into an already built model (for resume), strictly."""
+    meta = read_checkpoint_meta(folder)
+    if meta["stream_config"] != model.stream_config.to_dict():
+        raise ValueError(f"{folder} was trained with another stream config: {meta['stream_config']}")
+    if meta.get("merged"):
+        from transformers.modeling_utils import load_state_dict
+
+        state = load_state_dict(str(folder / "model.safetensors"))
+        result = model.hf_model.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if k not in getattr(model.hf_model, "_tied_weights_keys", {}) and "lm_head" not in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"{folder}: base weights do not match (missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+    if meta.get("adapter"):
+        if not model.has_lora:
+            raise ValueError(f"{folder} holds a LoRA adapter but the model has none")
+        _load_adapter_weights(model.base, folder / ADAPTER_DIR)
+    _load_stream_weights(model, folder / WEIGHTS_FILE)
+
+
+def evaluation_counts(model, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Validation sums for one batch; a next-token model has only the ``main`` term."""
+    if isinstance(model, StreamedModel):
+        return model.evaluate_counts(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    targets = batch["labels"][:, 1:]
+    keep = targets != -100
+    loss = torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum")
+    correct = (logits[keep].argmax(-1) == targets[keep]).sum()
+    return {"main_loss_sum": loss.item(), "main_correct": int(correct), "main_count": int(keep.sum())}
+
+
+def summarize_counts(sums: dict[str, float]) -> dict[str, float]:
+    """``loss`` (main), ``{term}_loss`` and ``{term}_top1`` from `evaluation_counts` sums."""
+    metrics: dict[str, float] = {}
+    terms = sorted({k.rsplit("_", 2)[0] if k.endswith("_loss_sum") else k.rsplit("_", 1)[0] for k in sums})
+    for term in terms:
+        count = max(sums.get(f"{term}_count", 0), 1)
+        metrics[f"{term}_loss"] = round(sums[f"{term}_loss_sum"] / count, 4)
+        metrics[f"{term}_top1"] = round(sums[f"{term}_correct"] / count, 4)
+    metrics["loss"] = metrics["main_loss"]
+    return metrics
+
+
+class _StopAt(TrainerCallback):
+    """Stops training once `step` is reached (for tests of resume: `training.stop_after_steps`)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+def training_arguments(recipe: Recipe) -> TrainingArguments:
+    t = recipe.training
+    return TrainingArguments(
+        output_dir=t.output_dir,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=t.eval_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        eval_strategy=("steps" if t.eval_steps else "epoch") if recipe.data.has_validation else "no",
+        eval_steps=t.eval_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=t.bf16,
+        # StreamedModel turns it on itself (run_training); the Trainer handles the baseline.
+        gradient_checkpointing=t.gradient_checkpointing and recipe.streams is None,
+        report_to=[] if t.report_to == "none" else [t.report_to],
+        run_name=t.run_name,
+        deepspeed=t.deepspeed,
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        # Several CPU processes (torchrun/deepspeed without GPUs) talk over gloo.
+        ddp_backend="gloo" if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+    )
+
+
+def check_deepspeed_config(recipe: Recipe) -> dict | None:
+    """Read and check the recipe's DeepSpeed config; ZeRO-3 is refused for streamed models."""
+    path = recipe.training.deepspeed
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"training.deepspeed: {path} does not exist")
+    try:
+        config = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"training.deepspeed: {path} is not valid JSON ({err})") from err
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"training.deepspeed: zero_optimization.stage must be 0..3, got {stage!r}")
+    if stage == 3 and recipe.streams is not None:
+        # The stream parameters and the fused loss read weights outside their modules' forward,
+        # where ZeRO-3 has them partitioned.
+        raise ValueError(
+            "training.deepspeed: ZeRO-3 is not supported for streamed models yet; use ZeRO-2 "
+            "(recipes/deepspeed/zero2.json). ZeRO-3 works for the next-token baseline (streams: null)."
+        )
+    return config
+
+
+def _configure_wandb(recipe: Recipe) -> None:
+    if recipe.training.report_to != "wandb":
+        return
+    os.environ.setdefault("WANDB_PROJECT", recipe.training.wandb_project)
+    os.environ.setdefault("WANDB_DIR", recipe.training.output_dir)
+    if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
+        os.environ["WANDB_MODE"] = "offline"
+        logger.warning("wandb: no WANDB_API_KEY set, logging offline under %s/wandb", recipe.training.output_dir)
+
+
+def run_training(recipe: Recipe, resume: bool = False, stop_after_steps: int | None = None) -> dict[str, Any]:
+    """Train a recipe end to end; returns the training summary (also written to disk).
+
+    Args:
+        recipe: what to train.
+        resume: continue from the latest checkpoint in the output folder (same data order).
+        stop_after_steps: stop (with a checkpoint) after this many steps, as if killed.
+    """
+    check_deepspeed_config(recipe)
+    out = Path(recipe.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    _configure_wandb(recipe)
+    model, tokenizer = build_model(recipe)
+    train_set, validation_set = build_datasets(recipe, tokenizer)
+    args = training_arguments(recipe)
+    if validation_set is None:
+        args.eval_strategy = "no"
+    if recipe.training.gradient_checkpointing and isinstance(model, StreamedModel):
+        model.hf_model.gradient_checkpointing_enable()
+    trainer = StreamTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=validation_set,
+        data_collator=PadCollator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=[_StopAt(stop_after_steps)] if stop_after_steps else None,
+    )
+    checkpoint = None
+    if resume:
+        # Only complete checkpoints: the Trainer writes trainer_state.json last.
+        checkpoints = sorted(
+            (p for p in out.glob("checkpoint-*") if (p / "trainer_state.json").is_file()),
+            key=lambda p: int(p.name.split("-")[1]),
+        )
+        if not checkpoints:
+            raise FileNotFoundError(f"--resume: no complete checkpoint-* folder in {out}")
+        checkpoint = str(checkpoints[-1])
+        logger.warning("resuming from %s", checkpoint)
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    wall = time.perf_counter() - start
+    summary = _summary(trainer, result, wall, stopped_early=stop_after_steps is not None)
+    if stop_after_steps is None:
+        final = out / "final"
+        trainer.save_model(str(final))  # every rank: gathering sharded weights is collective
+        summary["export"] = str(final)
+    if trainer.is_world_process_zero():
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _summary(trainer: Trainer, result, wall: float, stopped_early: bool) -> dict[str, Any]:
+    history = trainer.state.log_history
+    train_logs = [h for h in history if "loss" in h and "eval_loss" not in h]
+    evals = [h for h in history if "eval_loss" in h]
+    peak = None
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = round(int(line.split()[1]) / 1024)
+    steps = trainer.state.global_step
+    return {
+        "steps": steps,
+        "epochs": trainer.state.epoch,
+        "wall_seconds": round(wall, 1),
+        "seconds_per_step": round(wall / steps, 3) if steps else None,
+        "peak_rss_mib": peak,
+        "stopped_early": stopped_early,
+        "train_loss": result.training_loss,
+        "final_losses": {k: v for k, v in (train_logs[-1] if train_logs else {}).items() if k.startswith("loss")},
+        "validation": [
+            {k: v for k, v in e.items() if k.startswith("eval_") or k in ("epoch", "step")} for e in evals
+        ],
+    }
