@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from .assets import load_base_model, load_tokenizer
 from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, _load_adapter_weights, _load_stream_weights, read_checkpoint_meta
@@ -319,6 +319,7 @@ def run_training(recipe: Recipe, resume: bool = False, stop_after_steps: int | N
     out.mkdir(parents=True, exist_ok=True)
     (out / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     _configure_wandb(recipe)
+    set_seed(recipe.training.seed)  # before the model: stream vectors and LoRA are initialised randomly
     model, tokenizer = build_model(recipe)
     train_set, validation_set = build_datasets(recipe, tokenizer)
     args = training_arguments(recipe)
@@ -356,6 +357,11 @@ def run_training(recipe: Recipe, resume: bool = False, stop_after_steps: int | N
         summary["export"] = str(final)
     if trainer.is_world_process_zero():
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    if recipe.training.report_to == "wandb":
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()  # flush the run files now, not at interpreter exit
     return summary
 
 

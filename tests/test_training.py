@@ -1,0 +1,163 @@
+"""The training pipeline end to end, on a tiny Llama with the real SmolLM2 tokenizer and real
+Spider data: a run exports a loadable streamed checkpoint, metrics reach wandb's run files, a
+killed run resumes onto the same loss curve, and 2-process DeepSpeed ZeRO-2 works on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from streamspec import load_default_tokenizer, load_streamed
+from streamspec.recipe import load_recipe
+from streamspec.training import run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "smollm2-135m" / "sql.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved with the SmolLM2 tokenizer (its chat template, its vocabulary)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _overrides(tiny_dir, out, **extra):
+    values = {
+        "model.name_or_path": str(tiny_dir),
+        "training.output_dir": str(out),
+        "training.max_steps": 6,
+        "training.save_steps": 2,
+        "training.logging_steps": 1,
+        "training.eval_steps": 3,
+        "training.batch_size": 2,
+        "training.learning_rate": 1e-3,
+        "data.max_train_examples": 16,
+        "data.max_validation_examples": 4,
+        "data.max_length": 512,
+        "lora.r": 4,
+        "training.report_to": "none",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def _cli(args, **kwargs):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "DS_ACCELERATOR": "cpu"}
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def _losses(state_file):
+    history = json.loads(Path(state_file).read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def test_run_exports_checkpoint_and_logs_to_wandb(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "run", **{"training.report_to": "wandb"}))
+    summary = run_training(recipe)
+
+    assert summary["steps"] == 6
+    assert set(summary["final_losses"]) >= {"loss", "loss_main", "loss_stream_1", "loss_stream_3", "loss_early_exit"}
+    assert summary["validation"] and "eval_stream_3_top1" in summary["validation"][-1]
+    on_disk = json.loads((tmp_path / "run" / "training_summary.json").read_text())
+    assert on_disk["steps"] == 6 and on_disk["export"] == summary["export"]
+
+    # The export is a streamed checkpoint with the trained LoRA and streams.
+    model = load_streamed(summary["export"])
+    assert model.has_lora and model.stream_config == recipe.streams
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b), "LoRA B starts at zero: training must have moved it"
+
+    # Logged metrics reach the wandb run file (protobuf records hold the metric names verbatim).
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    data = runs[0].read_bytes()
+    for name in (b"loss_stream_1", b"loss_early_exit", b"tokens_per_second", b"eval_stream_2_top1", b"learning_rate"):
+        assert name in data, name
+
+
+def test_killed_run_resumes_on_the_same_curve(tiny_dir, tmp_path):
+    straight = tmp_path / "straight"
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "train/finetune.py", "--recipe", str(RECIPE)]
+    proc = _cli(cmd + _overrides(tiny_dir, straight, **{"training.max_steps": 8}))
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+
+    proc = _cli(cmd + _overrides(tiny_dir, killed, **{"training.max_steps": 8}), start_new_session=True)
+    deadline = time.time() + 300
+    while not (killed / "checkpoint-4" / "trainer_state.json").is_file():
+        assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final").exists(), "the run was meant to die before finishing"
+
+    resumed = _cli(cmd + _overrides(tiny_dir, killed, **{"training.max_steps": 8}) + ["--resume"])
+    output = resumed.stdout.read()
+    assert resumed.wait(timeout=300) == 0, output
+    assert "resuming from" in output
+
+    expected = _losses(straight / "checkpoint-8" / "trainer_state.json")
+    got = _losses(killed / "checkpoint-8" / "trainer_state.json")
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5), (step, got, expected)
+
+
+def test_export_command_merges_into_a_self_contained_folder(tiny_dir, tmp_path):
+    run = tmp_path / "run"
+    summary = run_training(load_recipe(RECIPE, _overrides(tiny_dir, run, **{"training.max_steps": 2})))
+    proc = _cli([sys.executable, "-m", "streamspec.cli", "export", "--checkpoint", str(run / "checkpoint-2"),
+                 "--out", str(tmp_path / "merged"), "--merge"])
+    output = proc.stdout.read()
+    assert proc.wait(timeout=300) == 0, output
+    merged = load_streamed(tmp_path / "merged")  # needs nothing else
+    trained = load_streamed(summary["export"])
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        a, b = merged(ids), trained(ids)
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.stream_logits, b.stream_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_deepspeed_zero2_two_processes_on_cpu(tiny_dir, tmp_path):
+    out = tmp_path / "ds"
+    overrides = _overrides(
+        tiny_dir, out, **{"training.max_steps": 4, "training.deepspeed": str(ROOT / "recipes/deepspeed/zero2.json")}
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           "train/finetune.py", "--recipe", str(RECIPE), *overrides]
+    proc = _cli(cmd)
+    output = proc.stdout.read()
+    assert proc.wait(timeout=600) == 0, output[-5000:]
+
+    # The exported streamed checkpoint holds exactly the weights DeepSpeed trained.
+    states = list((out / "checkpoint-4").glob("global_step*/mp_rank_00_model_states.pt"))
+    assert len(states) == 1, output[-3000:]
+    module = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    exported = load_streamed(out / "final").state_dict()
+    trained = {k: v for k, v in module.items() if "lora_" in k or k.startswith("streams.")}
+    assert any(k.startswith("streams.") for k in trained) and any("lora_" in k for k in trained)
+    for key, value in trained.items():
+        assert torch.equal(exported[key].float(), value.float()), key
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["steps"] == 4
