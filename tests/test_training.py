@@ -161,3 +161,25 @@ def test_deepspeed_zero2_two_processes_on_cpu(tiny_dir, tmp_path):
         assert torch.equal(exported[key].float(), value.float()), key
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    from peft import LoraConfig
+
+    from conftest import make_model
+    from streamspec import StreamConfig, add_streams
+
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = add_streams(make_model("llama"), StreamConfig(stream_layers=2))
+        model.add_lora(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        if checkpointing:
+            model.hf_model.gradient_checkpointing_enable()
+        model.train()
+        ids = torch.randint(3, 101, (2, 9))
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert set(grads[0]) == set(grads[1]) and any("lora_A" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,694 @@
+"""Recipes, data loading/tokenisation, DeepSpeed config checks and validation counts.
+
+Everything here runs offline on a CPU in a few seconds: the real SmolLM2 tokenizer (cached
+conversion), the Spider / ACLSum data shipped in packages, and tiny random models from conftest.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_model
+from streamspec import StreamConfig, add_streams, load_default_tokenizer
+from streamspec.data.aclsum import ASPECTS, detokenize, load_aclsum
+from streamspec.data.build import PadCollator, format_prompt, load_rows, tokenize_rows
+from streamspec.data.spider import SPLITS, TEST_DATABASES, VALIDATION_DATABASES, load_spider
+from streamspec.recipe import Recipe, load_recipe, recipe_from_dict
+from streamspec.training import (
+    check_deepspeed_config,
+    evaluation_counts,
+    summarize_counts,
+    task_rows,
+    training_arguments,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+SMOLLM2 = ROOT / "recipes" / "smollm2-135m"
+SQL = SMOLLM2 / "sql.yaml"
+NEXT_TOKEN = SMOLLM2 / "sql_next_token.yaml"
+ZERO2 = ROOT / "recipes" / "deepspeed" / "zero2.json"
+ZERO3 = ROOT / "recipes" / "deepspeed" / "zero3.json"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_default_tokenizer()
+
+
+def _write_recipe(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Shipped recipes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_smollm2_recipes_are_shipped():
+    names = {p.name for p in RECIPES if p.parent == SMOLLM2}
+    assert {"sql.yaml", "sql_lossless.yaml", "sql_next_token.yaml", "summarize.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(ROOT)) for p in RECIPES])
+def test_every_recipe_loads_and_names_its_own_command(path):
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+    first = path.read_text(encoding="utf-8").splitlines()[0]
+    assert first.startswith("#"), f"{path}: the first line must be a comment with the command to run it"
+    rel = path.relative_to(ROOT).as_posix()
+    words = first.lstrip("#").split()
+    assert "--recipe" in words, first
+    assert words[words.index("--recipe") + 1] == rel, f"{path}: first line names another recipe: {first}"
+    # The command runs a script that exists in the repository.
+    scripts = [w for w in words if w.endswith(".py")]
+    assert scripts and all((ROOT / s).is_file() for s in scripts), first
+    # Shipped recipes stay consistent with what training accepts.
+    assert recipe.data.has_validation
+    assert recipe.training.output_dir.startswith("runs/")
+
+
+def test_shipped_recipe_contents():
+    sql = load_recipe(SQL)
+    assert sql.streams is not None and sql.streams.mode == "shared" and sql.lora.enabled
+    assert sql.data.task == "sql" and sql.data.overflow == "drop"
+    assert isinstance(sql.training.learning_rate, float) and sql.training.learning_rate == pytest.approx(5e-4)
+
+    lossless = load_recipe(SMOLLM2 / "sql_lossless.yaml")
+    assert lossless.streams is not None and lossless.streams.mode == "lossless"
+    assert lossless.lora.enabled is False
+
+    next_token = load_recipe(NEXT_TOKEN)
+    assert next_token.streams is None and next_token.lora.enabled
+
+    summarize = load_recipe(SMOLLM2 / "summarize.yaml")
+    assert summarize.data.task == "summarize" and summarize.streams is not None
+
+    # to_dict round-trips through recipe_from_dict (what run_training writes as recipe.yaml).
+    for recipe in (sql, lossless, next_token, summarize):
+        assert recipe_from_dict(recipe.to_dict()) == recipe
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Recipe errors and overrides
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("training.lr=1.0e-3", "training.lr"),
+        ("lora.rank=8", "lora.rank"),
+        ("training.batch_size=four", "training.batch_size"),
+        ("lora.target_modules=5", "lora.target_modules"),
+        ("lora.target_modules=[q_proj, 3]", "lora.target_modules"),
+        ("streams.num_streams=1.5", "streams.num_streams"),
+        ("lora.enabled=yes please", "lora.enabled"),
+        ("data.max_length=1.0e3", "data.max_length"),
+        ("data.overflow=cut", "data.overflow"),
+        ("training.report_to=tensorboard", "training.report_to"),
+        ("model.dtype=int8", "model.dtype"),
+        ("data.path=rows.jsonl", "data.path"),
+        ("optim.lr=1", "optim"),
+        ("training=5", "section.key=value"),
+        ("training.batch_size", "section.key=value"),
+        ("batch_size=4", "section.key=value"),
+    ],
+)
+def test_override_errors_name_the_key(override, key):
+    with pytest.raises(ValueError) as err:
+        load_recipe(SQL, [override])
+    assert key in str(err.value)
+
+
+def test_unknown_section_in_file(tmp_path):
+    path = _write_recipe(tmp_path, "optimizer:\n  lr: 0.1\n")
+    with pytest.raises(ValueError, match="optimizer"):
+        load_recipe(path)
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = _write_recipe(tmp_path, "training:\n  lr: 0.1\n")
+    with pytest.raises(ValueError, match=r"training\.lr"):
+        load_recipe(path)
+
+
+def test_wrong_types_in_file(tmp_path):
+    path = _write_recipe(tmp_path, 'training:\n  batch_size: "four"\n')
+    with pytest.raises(ValueError, match=r"training\.batch_size"):
+        load_recipe(path)
+    path = _write_recipe(tmp_path, "lora: 5\n")
+    with pytest.raises(ValueError, match="lora"):
+        load_recipe(path)
+    path = _write_recipe(tmp_path, "- model\n- data\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_recipe(path)
+
+
+def test_lossless_with_lora_is_refused():
+    with pytest.raises(ValueError) as err:
+        load_recipe(SQL, ["streams.mode=lossless"])
+    assert "lossless" in str(err.value) and "lora.enabled" in str(err.value)
+    # ... and is fine once LoRA is off.
+    recipe = load_recipe(SQL, ["streams.mode=lossless", "lora.enabled=false"])
+    assert recipe.streams.mode == "lossless" and not recipe.lora.enabled
+
+
+def test_next_token_without_lora_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="lora.enabled"):
+        load_recipe(NEXT_TOKEN, ["lora.enabled=false"])
+    path = _write_recipe(tmp_path, "streams: null\nlora:\n  enabled: false\n")
+    with pytest.raises(ValueError, match="lora.enabled"):
+        load_recipe(path)
+
+
+def test_data_path_needs_custom_task(tmp_path):
+    with pytest.raises(ValueError, match=r"data\.path"):
+        load_recipe(SQL, [f"data.path={tmp_path / 'rows.jsonl'}"])
+    with pytest.raises(ValueError, match=r"data\.dataset"):
+        load_recipe(SQL, ["data.task=custom"])  # custom without a path or dataset
+    recipe = load_recipe(SQL, ["data.task=custom", f"data.path={tmp_path / 'rows.jsonl'}"])
+    assert recipe.data.task == "custom" and recipe.data.path == str(tmp_path / "rows.jsonl")
+    assert recipe.data.has_validation is False
+
+
+def test_overrides_parse_yaml_values():
+    recipe = load_recipe(
+        SQL,
+        [
+            "training.learning_rate=2.5e-4",
+            "training.batch_size=2",
+            "lora.enabled=true",
+            "lora.target_modules=[q_proj, v_proj]",
+            "streams.stream_weights=[0.2, 0.1, 0.05]",
+            "training.run_name=my run",
+            "training.eval_steps=null",
+            "data.max_train_examples=8",
+        ],
+    )
+    assert recipe.training.learning_rate == 2.5e-4 and isinstance(recipe.training.learning_rate, float)
+    assert recipe.training.batch_size == 2
+    assert recipe.lora.target_modules == ["q_proj", "v_proj"]
+    assert recipe.streams.stream_weights == [0.2, 0.1, 0.05]
+    assert recipe.training.run_name == "my run"
+    assert recipe.training.eval_steps is None
+    assert recipe.data.max_train_examples == 8
+    # An override only touches its own key.
+    assert recipe.training.eval_batch_size == load_recipe(SQL).training.eval_batch_size
+
+
+def test_learning_rate_override_in_exponent_notation():
+    """`training.learning_rate=1e-4` is the example the library's own error message gives."""
+    recipe = load_recipe(SQL, ["training.learning_rate=1e-4"])
+    assert isinstance(recipe.training.learning_rate, float)
+    assert recipe.training.learning_rate == pytest.approx(1e-4)
+
+
+def test_training_arguments_follow_the_recipe(tmp_path):
+    recipe = load_recipe(SQL, [f"training.output_dir={tmp_path}", "training.report_to=none", "training.batch_size=3"])
+    args = training_arguments(recipe)
+    assert args.per_device_train_batch_size == 3
+    assert args.learning_rate == pytest.approx(recipe.training.learning_rate)
+    assert args.num_train_epochs == recipe.training.epochs
+    assert args.report_to in ([], ["none"], "none")
+    assert training_arguments(load_recipe(SQL, [f"training.output_dir={tmp_path}"])).report_to == ["wandb"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Data: tokenisation, collation, files, Spider and ACLSum
+# ---------------------------------------------------------------------------------------------
+
+ROWS = [
+    {"prompt": "How many singers are there?", "completion": "SELECT count(*) FROM singer"},
+    {"prompt": "List the names of all pets.", "completion": "SELECT name FROM pets ORDER BY name"},
+]
+
+
+def _prompt_ids(tokenizer, row):
+    return tokenizer(format_prompt(tokenizer, row), add_special_tokens=False).input_ids
+
+
+def test_tokenize_masks_exactly_the_prompt(tokenizer):
+    examples, stats = tokenize_rows(ROWS, tokenizer, max_length=512)
+    assert stats.kept == 2 and stats.truncated == stats.dropped_too_long == stats.dropped_no_completion == 0
+    for row, ex in zip(ROWS, examples):
+        ids, labels = ex["input_ids"], ex["labels"]
+        assert len(ids) == len(labels)
+        n = len(_prompt_ids(tokenizer, row))
+        assert 0 < n < len(ids)
+        assert labels[:n] == [-100] * n
+        assert labels[n:] == ids[n:]
+        assert -100 not in labels[n:]
+        assert ids[-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(ids[n:]) == row["completion"] + tokenizer.eos_token
+
+
+def test_tokenize_uses_the_chat_template(tokenizer):
+    assert tokenizer.chat_template
+    examples, _ = tokenize_rows(ROWS[:1], tokenizer, max_length=512)
+    ids, labels = examples[0]["input_ids"], examples[0]["labels"]
+    n = labels.index(next(label for label in labels if label != -100))
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": ROWS[0]["prompt"]}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer.decode(ids[:n])
+    assert prompt == expected
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert ROWS[0]["prompt"] in prompt
+
+
+def test_tokenize_without_a_chat_template(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    examples, _ = tokenize_rows(ROWS[:1], plain, max_length=512)
+    ids, labels = examples[0]["input_ids"], examples[0]["labels"]
+    n = sum(1 for label in labels if label == -100)
+    assert plain.decode(ids[:n]) == ROWS[0]["prompt"] + "\n"
+    assert "<|im_start|>" not in plain.decode(ids[:n])
+    assert labels[n:] == ids[n:] and ids[-1] == plain.eos_token_id
+
+
+def test_tokenize_messages_rows(tokenizer):
+    messages = [
+        {"role": "system", "content": "You write SQL."},
+        {"role": "user", "content": "Count the singers."},
+    ]
+    row = {"messages": messages, "completion": "SELECT count(*) FROM singer"}
+    examples, stats = tokenize_rows([row], tokenizer, max_length=512)
+    assert stats.kept == 1
+    ids, labels = examples[0]["input_ids"], examples[0]["labels"]
+    n = sum(1 for label in labels if label == -100)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(ids[:n]) == expected
+    assert "You write SQL." in expected and "helpful AI assistant" not in expected  # own system prompt kept
+    assert labels[n:] == ids[n:]
+
+
+def test_overflow_drop_counts_long_rows(tokenizer):
+    full, _ = tokenize_rows(ROWS, tokenizer, max_length=4096)
+    lengths = [len(e["input_ids"]) for e in full]
+    limit = min(lengths)  # the shorter row fits exactly, the longer one does not
+    assert max(lengths) > limit
+    examples, stats = tokenize_rows(ROWS, tokenizer, max_length=limit, overflow="drop")
+    assert stats.kept == 1 and stats.dropped_too_long == 1 and stats.truncated == 0
+    assert examples == [full[lengths.index(limit)]]
+
+
+def test_overflow_truncate_cuts_to_max_length(tokenizer):
+    full, _ = tokenize_rows(ROWS[:1], tokenizer, max_length=4096)
+    n_prompt = len(_prompt_ids(tokenizer, ROWS[0]))
+    limit = n_prompt + 3  # three completion tokens survive
+    assert len(full[0]["input_ids"]) > limit
+    examples, stats = tokenize_rows(ROWS[:1], tokenizer, max_length=limit, overflow="truncate")
+    assert stats.kept == 1 and stats.truncated == 1 and stats.dropped_too_long == 0
+    ex = examples[0]
+    assert len(ex["input_ids"]) == len(ex["labels"]) == limit
+    assert ex["input_ids"] == full[0]["input_ids"][:limit]
+    assert ex["labels"] == full[0]["labels"][:limit]
+    assert sum(label != -100 for label in ex["labels"]) == 3
+    # One completion token left is still a training example.
+    examples, stats = tokenize_rows(ROWS[:1], tokenizer, max_length=n_prompt + 1, overflow="truncate")
+    assert stats.kept == 1 and stats.truncated == 1
+    assert examples[0]["labels"][-1] == examples[0]["input_ids"][-1] != -100
+
+
+@pytest.mark.parametrize("cut", [0, 5])
+def test_truncation_that_leaves_no_completion_drops_the_row(tokenizer, cut):
+    n_prompt = len(_prompt_ids(tokenizer, ROWS[0]))
+    examples, stats = tokenize_rows(ROWS, tokenizer, max_length=n_prompt - cut, overflow="truncate")
+    # ROWS[0]'s prompt fills (or overflows) max_length: nothing to learn, dropped and counted.
+    assert stats.dropped_no_completion >= 1
+    assert stats.kept + stats.dropped_no_completion == len(ROWS)
+    assert stats.dropped_too_long == 0
+    for ex in examples:
+        assert any(label != -100 for label in ex["labels"][1:])
+
+
+def test_tokenize_rejects_bad_settings(tokenizer):
+    with pytest.raises(ValueError, match="overflow"):
+        tokenize_rows(ROWS, tokenizer, max_length=64, overflow="cut")
+    with pytest.raises(ValueError, match="max_length"):
+        tokenize_rows(ROWS, tokenizer, max_length=1)
+
+
+def test_pad_collator_right_pads():
+    batch = [
+        {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
+        {"input_ids": [9, 10], "labels": [-100, 10]},
+    ]
+    out = PadCollator(pad_id=3)(batch)
+    assert set(out) == {"input_ids", "attention_mask", "labels"}
+    assert all(t.dtype == torch.long for t in out.values())
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 3, 3]]
+    assert out["labels"].tolist() == [[-100, -100, 7, 8], [-100, 10, -100, -100]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+def test_load_rows_jsonl_json_csv_with_custom_fields(tmp_path):
+    records = [{"q": "one?", "a": "1", "other": "x"}, {"q": "two, \"quoted\"?", "a": "2\nlines", "other": "y"}]
+    expected = [{"prompt": r["q"], "completion": r["a"]} for r in records]
+
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")  # a blank line is skipped
+    assert load_rows(path=str(jsonl), prompt_field="q", completion_field="a") == expected
+
+    js = tmp_path / "rows.json"
+    js.write_text(json.dumps(records), encoding="utf-8")
+    assert load_rows(path=str(js), prompt_field="q", completion_field="a") == expected
+
+    cs = tmp_path / "rows.CSV"  # suffixes are case-insensitive
+    with cs.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["q", "a", "other"])
+        writer.writeheader()
+        writer.writerows(records)
+    assert load_rows(path=str(cs), prompt_field="q", completion_field="a") == expected
+
+
+def test_load_rows_messages(tmp_path):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"conversation": chat}) + "\n", encoding="utf-8")
+    rows = load_rows(path=str(path), messages_field="conversation")
+    assert rows == [{"messages": chat[:-1], "completion": "Hello."}]
+
+    path.write_text(json.dumps({"conversation": chat[:-1]}) + "\n", encoding="utf-8")  # ends with the user
+    with pytest.raises(ValueError, match="row 0"):
+        load_rows(path=str(path), messages_field="conversation")
+    path.write_text(json.dumps({"conversation": chat}) + "\n" + json.dumps({"other": 1}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="row 1"):
+        load_rows(path=str(path), messages_field="conversation")
+
+
+def test_load_rows_missing_field_names_the_row(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    lines = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}, {"prompt": "e"}]
+    path.write_text("\n".join(json.dumps(r) for r in lines), encoding="utf-8")
+    with pytest.raises(ValueError) as err:
+        load_rows(path=str(path))
+    assert "row 2" in str(err.value) and "completion" in str(err.value)
+    # A non-text value counts as missing.
+    path.write_text(json.dumps({"prompt": "a", "completion": 5}), encoding="utf-8")
+    with pytest.raises(ValueError, match="row 0"):
+        load_rows(path=str(path))
+
+
+def test_load_rows_file_errors(tmp_path):
+    txt = tmp_path / "rows.txt"
+    txt.write_text("prompt,completion\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"\.jsonl"):
+        load_rows(path=str(txt))
+    with pytest.raises(FileNotFoundError):
+        load_rows(path=str(tmp_path / "absent.jsonl"))
+    not_a_list = tmp_path / "rows.json"
+    not_a_list.write_text(json.dumps({"prompt": "a", "completion": "b"}), encoding="utf-8")
+    with pytest.raises(ValueError, match="list"):
+        load_rows(path=str(not_a_list))
+    with pytest.raises(ValueError):
+        load_rows()
+    with pytest.raises(ValueError):
+        load_rows(path=str(txt), dataset="some/dataset")
+
+
+def test_task_rows_for_a_custom_file(tmp_path):
+    train = tmp_path / "train.jsonl"
+    valid = tmp_path / "valid.jsonl"
+    train.write_text(json.dumps({"in": "p", "out": "c"}) + "\n", encoding="utf-8")
+    valid.write_text(json.dumps({"in": "vp", "out": "vc"}) + "\n", encoding="utf-8")
+    common = ["data.task=custom", "data.prompt_field=in", "data.completion_field=out", f"data.path={train}"]
+    recipe = load_recipe(SQL, common + [f"data.validation_path={valid}"])
+    assert task_rows(recipe, "train") == [{"prompt": "p", "completion": "c"}]
+    assert task_rows(recipe, "validation") == [{"prompt": "vp", "completion": "vc"}]
+    no_validation = load_recipe(SQL, common)
+    assert task_rows(no_validation, "validation") == []
+
+
+def test_task_rows_for_builtin_tasks():
+    sql = load_recipe(SQL)
+    assert len(task_rows(sql, "train")) == 716 and len(task_rows(sql, "validation")) == 53
+    summarize = load_recipe(SMOLLM2 / "summarize.yaml")
+    assert len(task_rows(summarize, "train")) == 300 and len(task_rows(summarize, "validation")) == 150
+
+
+def test_spider_splits_are_disjoint_by_database():
+    splits = {s: load_spider(s) for s in SPLITS}
+    assert {s: len(rows) for s, rows in splits.items()} == {"train": 716, "validation": 53, "test": 265}
+    dbs = {s: {r["db_id"] for r in rows} for s, rows in splits.items()}
+    assert dbs["test"] == set(TEST_DATABASES)
+    assert dbs["validation"] == set(VALIDATION_DATABASES)
+    assert not dbs["train"] & dbs["validation"]
+    assert not dbs["train"] & dbs["test"]
+    assert not dbs["validation"] & dbs["test"]
+    assert len(load_spider()) == 716 + 53 + 265
+    with pytest.raises(ValueError, match="split"):
+        load_spider("dev")
+
+
+def test_spider_gold_queries_execute_on_their_schema():
+    for row in load_spider():
+        assert row["completion"] == row["query"]
+        assert row["schema"] in row["prompt"] and row["question"] in row["prompt"]
+        con = sqlite3.connect(":memory:")
+        try:
+            con.executescript(row["schema"])
+            tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            assert tables, row["db_id"]
+            con.execute(row["query"]).fetchall()  # raises on an unknown table or column
+        except sqlite3.Error as err:  # pragma: no cover - the failure message
+            pytest.fail(f"{row['db_id']}: {row['query']!r}: {err}")
+        finally:
+            con.close()
+
+
+def test_aclsum_rows():
+    splits = {s: load_aclsum(s) for s in ("train", "validation", "test")}
+    assert {s: len(rows) for s, rows in splits.items()} == {"train": 300, "validation": 150, "test": 300}
+    papers = {}
+    for split, rows in splits.items():
+        by_paper: dict[str, list[str]] = {}
+        for row in rows:
+            by_paper.setdefault(row["id"], []).append(row["aspect"])
+            assert f"Aspect: {row['aspect']}." in row["prompt"]
+            assert row["abstract"] in row["prompt"]
+            assert row["completion"] == row["summary"] and row["summary"].strip()
+        assert all(sorted(a) == sorted(ASPECTS) for a in by_paper.values())
+        assert len(by_paper) == len(rows) // 3
+        papers[split] = set(by_paper)
+    assert not papers["train"] & papers["validation"]
+    assert not papers["train"] & papers["test"]
+    with pytest.raises(ValueError, match="split"):
+        load_aclsum("dev")
+    assert detokenize("results ( MRR ) , and [ 3 ] .") == "results (MRR), and [3]."
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. DeepSpeed configs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, stage", [(ZERO2, 2), (ZERO3, 3)])
+def test_deepspeed_configs_are_valid(path, stage):
+    config = json.loads(path.read_text())
+    assert config["zero_optimization"]["stage"] == stage
+    # A streamed recipe accepts ZeRO-2 only; the next-token baseline accepts both.
+    next_token = load_recipe(NEXT_TOKEN, [f"training.deepspeed={path}"])
+    assert check_deepspeed_config(next_token) == config
+    streamed = load_recipe(SQL, [f"training.deepspeed={path}"])
+    if stage == 2:
+        assert check_deepspeed_config(streamed) == config
+
+
+@pytest.mark.parametrize("path, stage", [(ZERO2, 2), (ZERO3, 3)])
+def test_deepspeed_configs_parse_in_transformers(path, stage, tmp_path):
+    pytest.importorskip("deepspeed")
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        HfTrainerDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    recipe = load_recipe(NEXT_TOKEN, [f"training.output_dir={tmp_path}", "training.report_to=none"])
+    args = training_arguments(recipe)  # without deepspeed: no global DeepSpeed state is made here
+    try:
+        ds = HfDeepSpeedConfig(str(path))
+        assert ds.get_value("zero_optimization.stage") == stage
+        assert ds.is_zero3() == (stage == 3)
+        assert is_deepspeed_zero3_enabled() == (stage == 3)
+        trainer_ds = HfTrainerDeepSpeedConfig(str(path))
+        trainer_ds.trainer_config_process(args)
+        assert trainer_ds.mismatches == []
+        filled = trainer_ds.config
+        assert filled["train_micro_batch_size_per_gpu"] == recipe.training.batch_size
+        assert filled["gradient_accumulation_steps"] == recipe.training.gradient_accumulation_steps
+        assert filled["gradient_clipping"] == recipe.training.max_grad_norm
+        assert filled["bf16"]["enabled"] == recipe.training.bf16
+    finally:
+        unset_hf_deepspeed_config()  # the config registers itself globally: later models must not see ZeRO-3
+    assert not is_deepspeed_zero3_enabled()
+
+
+def test_zero3_is_refused_for_streamed_recipes():
+    for name in ("sql.yaml", "sql_lossless.yaml", "summarize.yaml"):
+        recipe = load_recipe(SMOLLM2 / name, [f"training.deepspeed={ZERO3}"])
+        with pytest.raises(ValueError, match="ZeRO-3"):
+            check_deepspeed_config(recipe)
+
+
+def test_deepspeed_config_errors(tmp_path):
+    assert check_deepspeed_config(load_recipe(SQL)) is None
+    missing = load_recipe(SQL, [f"training.deepspeed={tmp_path / 'absent.json'}"])
+    with pytest.raises(FileNotFoundError, match=r"training\.deepspeed.*absent\.json"):
+        check_deepspeed_config(missing)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match="JSON"):
+        check_deepspeed_config(load_recipe(SQL, [f"training.deepspeed={broken}"]))
+    stage4 = tmp_path / "stage4.json"
+    stage4.write_text(json.dumps({"zero_optimization": {"stage": 4}}), encoding="utf-8")
+    with pytest.raises(ValueError, match="stage"):
+        check_deepspeed_config(load_recipe(SQL, [f"training.deepspeed={stage4}"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Validation counts
+# ---------------------------------------------------------------------------------------------
+
+
+def _batch():
+    """Two right-padded rows (PadCollator) with a prompt (-100) and a completion."""
+    gen = torch.Generator().manual_seed(7)
+    examples = []
+    for prompt_len, completion_len in ((5, 9), (7, 4)):
+        ids = torch.randint(3, 101, (prompt_len + completion_len,), generator=gen).tolist()
+        examples.append({"input_ids": ids, "labels": [-100] * prompt_len + ids[prompt_len:]})
+    return PadCollator(pad_id=0)(examples)
+
+
+def _naive_counts(out, labels, num_streams):
+    """Sums from the full logits of `forward(..., return_logits=True)`."""
+    batch, length = labels.shape
+    sums = {}
+
+    def add(name, logits, targets):
+        sums[f"{name}_loss_sum"] = F.cross_entropy(logits, targets, reduction="sum").item() if len(targets) else 0.0
+        sums[f"{name}_correct"] = int((logits.argmax(-1) == targets).sum())
+        sums[f"{name}_count"] = len(targets)
+
+    for name, logits in (("main", out.logits), ("early_exit", out.early_exit_logits)):
+        rows, targets = [], []
+        for b in range(batch):
+            for t in range(length - 1):
+                if labels[b, t + 1] != -100:
+                    rows.append(logits[b, t])
+                    targets.append(int(labels[b, t + 1]))
+        add(name, torch.stack(rows).float(), torch.tensor(targets))
+    for j in range(1, num_streams + 1):
+        rows, targets = [], []
+        for b in range(batch):
+            for t in range(length):
+                if not out.stream_mask[b, t]:
+                    continue
+                assert not out.stream_logits[b, t, j - 1].isnan().any()
+                if t + 1 + j < length and labels[b, t + 1 + j] != -100:
+                    rows.append(out.stream_logits[b, t, j - 1])
+                    targets.append(int(labels[b, t + 1 + j]))
+        add(f"stream_{j}", torch.stack(rows).float(), torch.tensor(targets))
+    return sums
+
+
+def _streamed_model():
+    model = add_streams(make_model("llama"), StreamConfig(stream_layers=2)).eval()
+    with torch.no_grad():
+        model.streams.stream_embeddings.normal_()
+        model.streams.exit_up.weight.normal_(std=0.5)
+    return model
+
+
+def test_evaluate_counts_matches_naive_computation(single_thread):
+    model = _streamed_model()
+    batch = _batch()
+    with torch.no_grad():
+        out = model(batch["input_ids"], batch["attention_mask"], batch["labels"], return_logits=True)
+    counts = model.evaluate_counts(batch["input_ids"], batch["attention_mask"], batch["labels"], chunk_size=5)
+    naive = _naive_counts(out, batch["labels"], model.stream_config.num_streams)
+
+    names = ["main", "stream_1", "stream_2", "stream_3", "early_exit"]
+    assert set(counts) == {f"{n}_{k}" for n in names for k in ("loss_sum", "correct", "count")}
+    for name in names:
+        assert counts[f"{name}_count"] == naive[f"{name}_count"], name
+        assert counts[f"{name}_correct"] == naive[f"{name}_correct"], name
+        assert counts[f"{name}_loss_sum"] == pytest.approx(naive[f"{name}_loss_sum"], rel=1e-4), name
+    # The counts are what the layout implies: every completion token (9 + 4) is a main target
+    # (the last prompt position predicts the first one); stream j loses the last j per row.
+    assert counts["main_count"] == 9 + 4
+    assert [counts[f"stream_{j}_count"] for j in (1, 2, 3)] == [counts["main_count"] - 2 * j for j in (1, 2, 3)]
+    assert counts["early_exit_count"] == counts["main_count"]
+    # The per-term means agree with the training loss parts.
+    for name in names:
+        assert counts[f"{name}_loss_sum"] / counts[f"{name}_count"] == pytest.approx(float(out.loss_parts[name]), rel=1e-4)
+    # evaluation_counts dispatches to it for a streamed model.
+    assert evaluation_counts(model, batch) == pytest.approx(counts, rel=1e-5)
+
+
+def test_evaluation_counts_for_a_next_token_model(single_thread):
+    model = make_model("llama")
+    batch = _batch()
+    counts = evaluation_counts(model, batch)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    rows = [(b, t) for b in range(labels.shape[0]) for t in range(labels.shape[1] - 1) if labels[b, t + 1] != -100]
+    x = torch.stack([logits[b, t] for b, t in rows])
+    y = torch.tensor([int(labels[b, t + 1]) for b, t in rows])
+    assert set(counts) == {"main_loss_sum", "main_correct", "main_count"}
+    assert counts["main_count"] == len(rows) == 13
+    assert counts["main_correct"] == int((x.argmax(-1) == y).sum())
+    assert counts["main_loss_sum"] == pytest.approx(F.cross_entropy(x, y, reduction="sum").item(), rel=1e-4)
+    assert summarize_counts(counts) == {
+        "main_loss": round(counts["main_loss_sum"] / 13, 4),
+        "main_top1": round(counts["main_correct"] / 13, 4),
+        "loss": round(counts["main_loss_sum"] / 13, 4),
+    }
+
+
+def test_summarize_counts():
+    sums = {
+        "main_loss_sum": 20.0, "main_correct": 5, "main_count": 10,
+        "stream_1_loss_sum": 24.0, "stream_1_correct": 2, "stream_1_count": 8,
+        "stream_2_loss_sum": 0.0, "stream_2_correct": 0, "stream_2_count": 0,
+        "early_exit_loss_sum": 33.0, "early_exit_correct": 1, "early_exit_count": 10,
+    }
+    metrics = summarize_counts(sums)
+    assert metrics == {
+        "main_loss": 2.0, "main_top1": 0.5,
+        "stream_1_loss": 3.0, "stream_1_top1": 0.25,
+        "stream_2_loss": 0.0, "stream_2_top1": 0.0,
+        "early_exit_loss": 3.3, "early_exit_top1": 0.1,
+        "loss": 2.0,
+    }
+
+
+def test_summarize_real_counts(single_thread):
+    model = _streamed_model()
+    batch = _batch()
+    counts = model.evaluate_counts(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    metrics = summarize_counts(counts)
+    assert metrics["loss"] == metrics["main_loss"] == round(counts["main_loss_sum"] / counts["main_count"], 4)
+    for term in ("main", "stream_1", "stream_2", "stream_3", "early_exit"):
+        assert metrics[f"{term}_loss"] == round(counts[f"{term}_loss_sum"] / counts[f"{term}_count"], 4)
+        assert metrics[f"{term}_top1"] == round(counts[f"{term}_correct"] / counts[f"{term}_count"], 4)
+        assert 0.0 <= metrics[f"{term}_top1"] <= 1.0
