@@ -8,6 +8,7 @@ or a value of the wrong type is an error naming it.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -166,8 +167,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         section, name = key.split(".", 1)
         if section not in _SECTIONS:
             raise ValueError(f"override {item!r}: unknown section {section!r}; allowed: {sorted(_SECTIONS)}")
-        if raw.get(section) is None:
-            raw[section] = {}
+        if section in raw and raw[section] is None:
+            raise ValueError(
+                f"override {item!r}: this recipe has '{section}: null' (next-token training); write a "
+                f"'{section}:' section in the recipe to train with streams"
+            )
+        raw.setdefault(section, {})
         raw[section][name] = yaml.safe_load(value)
     return recipe_from_dict(raw, source=str(path))
 
@@ -194,10 +199,24 @@ def _build(cls, values: dict[str, Any], section: str, source: str):
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {[f'{section}.{k}' for k in unknown]}; allowed: {names}")
+    values = {key: _coerce(value, hints[key]) for key, value in values.items()}
     for key, value in values.items():
         if not _matches(value, hints[key]):
             raise ValueError(f"{source}: {section}.{key} must be {_type_name(hints[key])}, got {value!r}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as err:
+        raise ValueError(f"{source}: [{section}] {err}") from err
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """YAML 1.1 reads "1e-4" (no dot) as a string; take it as the number it is where one is expected."""
+    if isinstance(value, str) and _matches(1.0, hint) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
 
 
 def _matches(value: Any, hint: Any) -> bool:

@@ -259,7 +259,7 @@ def training_arguments(recipe: Recipe) -> TrainingArguments:
         data_seed=t.seed,
         bf16=t.bf16,
         # StreamedModel turns it on itself (run_training); the Trainer handles the baseline.
-        gradient_checkpointing=t.gradient_checkpointing and recipe.streams is None,
+        activation_checkpointing=t.gradient_checkpointing and recipe.streams is None,
         report_to=[] if t.report_to == "none" else [t.report_to],
         run_name=t.run_name,
         deepspeed=t.deepspeed,

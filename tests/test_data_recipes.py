@@ -61,7 +61,7 @@ def test_smollm2_recipes_are_shipped():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(ROOT)) for p in RECIPES])
-def test_every_recipe_loads_and_names_its_own_command(path):
+def test_every_recipe_loads_and_names_its_own_command(path, monkeypatch):
     recipe = load_recipe(path)
     assert isinstance(recipe, Recipe)
     first = path.read_text(encoding="utf-8").splitlines()[0]
@@ -76,6 +76,11 @@ def test_every_recipe_loads_and_names_its_own_command(path):
     # Shipped recipes stay consistent with what training accepts.
     assert recipe.data.has_validation
     assert recipe.training.output_dir.startswith("runs/")
+    # Its DeepSpeed config (a path relative to the repository root) exists and suits the recipe
+    # (no ZeRO-3 with streams).
+    monkeypatch.chdir(ROOT)
+    config = check_deepspeed_config(recipe)
+    assert (config is None) == (recipe.training.deepspeed is None)
 
 
 def test_shipped_recipe_contents():
