@@ -61,3 +61,49 @@ def train_step_memory(variant: str, batch: int = 4, length: int = 512, labelled:
         "peak_step_mib": round((peak - before) / 1024),
         "peak_rss_mib": round(peak / 1024),
     }
+
+
+def train_step_time_ratio(steps: int = 6, batch: int = 4, seed: int = 0) -> dict:
+    """Seconds per LoRA training step (forward + backward) with streams vs the next-token baseline
+    with the same LoRA, on the same real Spider training batches, measured alternately in one
+    process so that machine noise hits both alike. Returns medians and their ratio."""
+    import statistics
+
+    from peft import LoraConfig, get_peft_model
+
+    from .assets import load_default_tokenizer
+    from .data.build import PadCollator, tokenize_rows
+    from .data.spider import load_spider
+
+    torch.manual_seed(seed)
+    tokenizer = load_default_tokenizer()
+    examples, _ = tokenize_rows(load_spider("train")[: steps * batch], tokenizer, max_length=768)
+    collate = PadCollator(tokenizer.pad_token_id)
+    batches = [collate(examples[i : i + batch]) for i in range(0, len(examples) - batch + 1, batch)]
+
+    def lora():
+        return LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    baseline = get_peft_model(load_default_model(), lora()).train()
+    streamed = add_streams(load_default_model(), StreamConfig()).add_lora(lora()).train()
+    times: dict[str, list[float]] = {"next_token": [], "streams": []}
+    for i, b in enumerate([batches[0]] + batches):  # the first batch warms both up, untimed
+        for name, model in (("next_token", baseline), ("streams", streamed)):
+            start = time.perf_counter()
+            model(**b).loss.backward()
+            elapsed = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            if i > 0:
+                times[name].append(elapsed)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    tokens = [int(b["attention_mask"].sum()) for b in batches]
+    targets = [int((b["labels"] != -100).sum()) for b in batches]
+    return {
+        "steps": len(batches),
+        "batch": batch,
+        "mean_tokens_per_batch": round(sum(tokens) / len(tokens)),
+        "mean_completion_tokens_per_batch": round(sum(targets) / len(targets)),
+        "next_token_seconds": round(medians["next_token"], 3),
+        "streams_seconds": round(medians["streams"], 3),
+        "ratio": round(medians["streams"] / medians["next_token"], 3),
+    }

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import Trainer, TrainingArguments, set_seed
 
 from .assets import load_base_model, load_tokenizer
 from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, _load_adapter_weights, _load_stream_weights, read_checkpoint_meta
@@ -186,7 +186,9 @@ def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
 
         state = load_state_dict(str(folder / "model.safetensors"))
         result = model.hf_model.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if k not in getattr(model.hf_model, "_tied_weights_keys", {}) and "lm_head" not in k]
+        # A tied LM head is not stored separately: loading the input embeddings sets it.
+        tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+        missing = [k for k in result.missing_keys if k not in tied]
         if missing or result.unexpected_keys:
             raise ValueError(f"{folder}: base weights do not match (missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
     if meta.get("adapter"):
@@ -219,19 +221,6 @@ def summarize_counts(sums: dict[str, float]) -> dict[str, float]:
         metrics[f"{term}_top1"] = round(sums[f"{term}_correct"] / count, 4)
     metrics["loss"] = metrics["main_loss"]
     return metrics
-
-
-class _StopAt(TrainerCallback):
-    """Stops training once `step` is reached (for tests of resume: `training.stop_after_steps`)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-            control.should_save = True
-        return control
 
 
 def training_arguments(recipe: Recipe) -> TrainingArguments:
@@ -306,13 +295,12 @@ def _configure_wandb(recipe: Recipe) -> None:
         logger.warning("wandb: no WANDB_API_KEY set, logging offline under %s/wandb", recipe.training.output_dir)
 
 
-def run_training(recipe: Recipe, resume: bool = False, stop_after_steps: int | None = None) -> dict[str, Any]:
+def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     """Train a recipe end to end; returns the training summary (also written to disk).
 
     Args:
         recipe: what to train.
-        resume: continue from the latest checkpoint in the output folder (same data order).
-        stop_after_steps: stop (with a checkpoint) after this many steps, as if killed.
+        resume: continue from the latest complete checkpoint in the output folder (same data order).
     """
     check_deepspeed_config(recipe)
     out = Path(recipe.training.output_dir)
@@ -334,7 +322,6 @@ def run_training(recipe: Recipe, resume: bool = False, stop_after_steps: int | N
         eval_dataset=validation_set,
         data_collator=PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
-        callbacks=[_StopAt(stop_after_steps)] if stop_after_steps else None,
     )
     checkpoint = None
     if resume:
@@ -350,11 +337,10 @@ def run_training(recipe: Recipe, resume: bool = False, stop_after_steps: int | N
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=checkpoint)
     wall = time.perf_counter() - start
-    summary = _summary(trainer, result, wall, stopped_early=stop_after_steps is not None)
-    if stop_after_steps is None:
-        final = out / "final"
-        trainer.save_model(str(final))  # every rank: gathering sharded weights is collective
-        summary["export"] = str(final)
+    summary = _summary(trainer, result, wall)
+    final = out / "final"
+    trainer.save_model(str(final))  # every rank: gathering sharded weights is collective
+    summary["export"] = str(final)
     if trainer.is_world_process_zero():
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     if recipe.training.report_to == "wandb":
@@ -365,7 +351,7 @@ def run_training(recipe: Recipe, resume: bool = False, stop_after_steps: int | N
     return summary
 
 
-def _summary(trainer: Trainer, result, wall: float, stopped_early: bool) -> dict[str, Any]:
+def _summary(trainer: Trainer, result, wall: float) -> dict[str, Any]:
     history = trainer.state.log_history
     train_logs = [h for h in history if "loss" in h and "eval_loss" not in h]
     evals = [h for h in history if "eval_loss" in h]
@@ -382,7 +368,6 @@ def _summary(trainer: Trainer, result, wall: float, stopped_early: bool) -> dict
         "wall_seconds": round(wall, 1),
         "seconds_per_step": round(wall / steps, 3) if steps else None,
         "peak_rss_mib": peak,
-        "stopped_early": stopped_early,
         "train_loss": result.training_loss,
         "final_losses": {k: v for k, v in (train_logs[-1] if train_logs else {}).items() if k.startswith("loss")},
         "validation": [

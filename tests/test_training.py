@@ -183,3 +183,21 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert set(grads[0]) == set(grads[1]) and any("lora_A" in n for n in grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_full_fine_tune_checkpoints_carry_the_base_and_reload_strictly(tiny_dir, tmp_path):
+    from streamspec.training import build_model, load_training_checkpoint
+
+    recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "full", **{"training.max_steps": 2, "lora.enabled": "false"}))
+    summary = run_training(recipe)
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").is_file(), "a full fine-tune must save the base weights"
+    fresh, _ = build_model(recipe)
+    before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+    load_training_checkpoint(fresh, checkpoint)
+    trained = load_streamed(summary["export"])
+    changed = 0
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, trained.state_dict()[name]), name
+        changed += not torch.equal(param, before[name])
+    assert changed > 10, "the reload must replace the freshly initialised weights"
