@@ -16,7 +16,7 @@ def extract_sql(text: str) -> str:
 
 
 def normalize_sql(sql: str) -> str:
-    """Lowercase, one space between tokens, single quotes, no trailing ';'."""
+    """Lowercase (literals too), one space between tokens, single quotes, no trailing ";"."""
     sql = sql.strip().rstrip(";").replace('"', "'")
     sql = re.sub(r"\s*([(),=<>])\s*", r" \1 ", sql)
     return re.sub(r"\s+", " ", sql).strip().lower()
