@@ -37,11 +37,12 @@ class MainStreamCache:
         k = self.keys[layer_idx]
         return 0 if k is None else k.shape[-2]
 
-    def keep(self, prefix_length: int, new_index: torch.Tensor) -> None:
+    def keep(self, prefix_length: int, new_index: torch.Tensor, layers: range | None = None) -> None:
         """Keep the first `prefix_length` entries, then the entries at `new_index` (positions after
-        the prefix, e.g. an accepted tree path), contiguous and in that order."""
+        the prefix, e.g. an accepted tree path), contiguous and in that order; in `layers` only
+        (default all)."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is None:
+            if k is None or (layers is not None and i not in layers):
                 continue
             idx = torch.cat([torch.arange(prefix_length, device=k.device), prefix_length + new_index.to(k.device)])
             self.keys[i], self.values[i] = k.index_select(-2, idx), v.index_select(-2, idx)

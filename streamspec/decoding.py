@@ -9,11 +9,16 @@ exactly as in training.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
 import torch
 
 from .cache import MainStreamCache
 from .layout import causal, main_allowed
 from .model import StreamedModel
+from .tree import DraftTree, build_tree, greedy_accept, prune_by_transition
 
 
 @torch.no_grad()
@@ -48,3 +53,139 @@ def generate_autoregressive(
         if int(token) in stop:
             break
     return torch.cat(generated, dim=1)
+
+
+@dataclass
+class GenerateOutput:
+    """Generated tokens and what it took.
+
+    Attributes:
+        tokens: [1, n] the new tokens (EOS included when it ended the text).
+        forward_passes: model calls, prefill included.
+        accepted_per_pass: tokens each call added (prefill: 1).
+        nodes_per_pass: draft-tree nodes before and after pruning, per call after prefill.
+        seconds_per_pass: wall time of each call, prefill included.
+    """
+
+    tokens: torch.Tensor
+    forward_passes: int
+    accepted_per_pass: list[int] = field(default_factory=list)
+    nodes_per_pass: list[tuple[int, int]] = field(default_factory=list)
+    seconds_per_pass: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens.shape[1] / max(self.forward_passes, 1)
+
+
+@lru_cache(maxsize=16)
+def _tree(top_k: int, depth: int) -> DraftTree:
+    return build_tree(top_k, depth)
+
+
+@torch.no_grad()
+def generate(
+    model: StreamedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    tree_top_k: int = 3,
+    prune_threshold: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    speculative: bool = True,
+) -> GenerateOutput:
+    """Greedy speculative-streaming decoding (batch 1): each call verifies the previous draft tree
+    with the main stream and drafts the next one from the streams of the deepest accepted node.
+
+    The tokens equal `generate_autoregressive` (``speculative=False`` runs that). Sampling and
+    batches are not implemented yet.
+    """
+    if not speculative:
+        start = time.perf_counter()
+        tokens = generate_autoregressive(model, input_ids, max_new_tokens, eos_token_id)
+        n = tokens.shape[1]
+        return GenerateOutput(tokens, n, [1] * n, [], [(time.perf_counter() - start) / n] * n)
+    _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold)
+    stop = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    device = input_ids.device
+    g = model.stream_config.num_streams
+    tree = _tree(tree_top_k, g).to(device)
+    lower_layers = range(model.num_lower_layers)
+    upper_layers = range(model.num_lower_layers, len(model.layers))
+    cache = MainStreamCache(len(model.layers))
+    out = GenerateOutput(tokens=input_ids.new_zeros(1, 0), forward_passes=0)
+
+    # Prefill: streams at the last prompt position give the root and the first draft.
+    start = time.perf_counter()
+    length = input_ids.shape[1]
+    positions = torch.arange(length, device=device)[None]
+    main_ok = main_allowed(causal(length, device), torch.ones(1, length, dtype=torch.bool, device=device))
+    last = torch.full((1, 1), length - 1, dtype=torch.long, device=device)
+    lower = model.run_lower(input_ids, positions, main_ok, cache)
+    main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
+    root = model.head(main[0, -1]).argmax(-1)
+    candidates = model.head(streams[0, 0]).topk(tree_top_k, dim=-1).indices  # [γ, k]
+    generated = [root]
+    out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [time.perf_counter() - start]
+    past = length
+
+    while len(generated) < max_new_tokens and int(generated[-1]) not in stop:
+        start = time.perf_counter()
+        tokens = tree.tokens(root, candidates)
+        positions = (past + tree.depth)[None]
+        lower_ok = main_allowed(tree.ancestors[None], torch.ones(1, past + tree.size, dtype=torch.bool, device=device))
+        lower = model.run_lower(tokens[None], positions, lower_ok, cache)
+        kept = torch.arange(tree.size, device=device)
+        sub = tree
+        if prune_threshold is not None:
+            early = model.early_exit_head(lower[0]).log_softmax(-1)
+            kept = prune_by_transition(tree, tokens, early, prune_threshold)
+            sub = tree.subset(kept.cpu()).to(device)
+        n = sub.size
+        upper_ok = main_allowed(sub.ancestors[None], torch.ones(1, past + n, dtype=torch.bool, device=device))
+        slots = torch.arange(n, device=device)[None]
+        main, streams = model.run_upper(
+            lower[:, kept], positions[:, kept], upper_ok, slots, torch.ones_like(slots, dtype=torch.bool), cache
+        )
+        predictions = model.head(main[0]).argmax(-1)
+        deepest = greedy_accept(sub, tokens[kept], predictions)
+        path = torch.tensor(sub.path_to(deepest), device=device)
+        cache.keep(past, kept[path], lower_layers)
+        cache.keep(past, path, upper_layers)
+        past += len(path)
+        new = list(tokens[kept][path[1:]]) + [predictions[deepest]]
+        generated.extend(new)
+        root = predictions[deepest]
+        candidates = model.head(streams[0, deepest]).topk(tree_top_k, dim=-1).indices
+        out.forward_passes += 1
+        out.accepted_per_pass.append(len(new))
+        out.nodes_per_pass.append((tree.size, n))
+        out.seconds_per_pass.append(time.perf_counter() - start)
+
+    tokens = torch.stack(generated)[:max_new_tokens]
+    hits = [i for i, t in enumerate(tokens.tolist()) if t in stop]
+    if hits:
+        tokens = tokens[: hits[0] + 1]
+    out.tokens = tokens[None]
+    return out
+
+
+def _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold) -> None:
+    if not isinstance(model, StreamedModel):
+        raise TypeError(f"generate needs a StreamedModel (see add_streams), got {type(model).__name__}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a non-empty [batch, length] tensor")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative generate takes one sequence for now, got a batch of {input_ids.shape[0]}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[1] + max_new_tokens + model.stream_config.num_streams > limit:
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + draft depth exceeds the "
+            f"model's context of {limit} positions"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if tree_top_k < 1:
+        raise ValueError(f"tree_top_k must be >= 1, got {tree_top_k}")
+    if prune_threshold is not None and not 0 <= prune_threshold < 1:
+        raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")

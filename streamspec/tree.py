@@ -1,0 +1,132 @@
+"""Draft trees as pure tensors, built once per (tree_top_k, γ).
+
+The streams of one position give, for each depth d = 1..γ, the top-k candidates for the token
+d steps after the root. Every candidate of depth d is a child of every candidate of depth d−1, so
+the tree holds 1 + k + k² + … + k^γ nodes (40 for k = 3, γ = 3). Nodes are numbered breadth first
+(the root is node 0), so a parent always comes before its children.
+
+A node attends to the cached prefix and to its ancestors (itself included); its position id is
+prefix length + depth.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """The fixed shape of a draft tree.
+
+    Attributes:
+        parent: [N] parent node of each node (-1 for the root).
+        depth: [N] depth of each node (root 0).
+        rank: [N] which of the top-k candidates of its depth a node holds (root 0).
+        ancestors: [N, N] bool, ``ancestors[i, j]`` when j is i or an ancestor of i.
+    """
+
+    top_k: int
+    depth_limit: int
+    parent: torch.Tensor
+    depth: torch.Tensor
+    rank: torch.Tensor
+    ancestors: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.parent.numel())
+
+    def tokens(self, root: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Node tokens [N] from the root token (0-dim) and candidates [γ', k] (row d−1: depth d)."""
+        drawn = candidates[(self.depth - 1).clamp(min=0), self.rank]
+        return torch.where(self.depth == 0, root, drawn)
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root down to `node`, inclusive."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parent[node])
+        return path[::-1]
+
+    def subset(self, keep: torch.Tensor) -> "DraftTree":
+        """The tree restricted to the nodes in `keep` (sorted; must be closed under parents)."""
+        remap = torch.full((self.size,), -1, dtype=torch.long)
+        remap[keep] = torch.arange(len(keep))
+        parent = self.parent[keep]
+        return DraftTree(
+            top_k=self.top_k,
+            depth_limit=self.depth_limit,
+            parent=torch.where(parent >= 0, remap[parent.clamp(min=0)], parent),
+            depth=self.depth[keep],
+            rank=self.rank[keep],
+            ancestors=self.ancestors[keep][:, keep],
+        )
+
+    def to(self, device) -> "DraftTree":
+        return DraftTree(
+            self.top_k, self.depth_limit, self.parent.to(device), self.depth.to(device), self.rank.to(device),
+            self.ancestors.to(device),
+        )
+
+
+def build_tree(top_k: int, depth: int) -> DraftTree:
+    """The full tree: every rank path of length 0..depth over `top_k` candidates per depth."""
+    if top_k < 1:
+        raise ValueError(f"tree_top_k must be >= 1, got {top_k}")
+    if depth < 0:
+        raise ValueError(f"tree depth must be >= 0, got {depth}")
+    paths: list[tuple[int, ...]] = [()]
+    for d in range(1, depth + 1):
+        paths.extend(itertools.product(range(top_k), repeat=d))
+    number = {path: i for i, path in enumerate(paths)}
+    parent = torch.tensor([number[p[:-1]] if p else -1 for p in paths])
+    n = len(paths)
+    ancestors = torch.zeros(n, n, dtype=torch.bool)
+    for i, path in enumerate(paths):
+        for d in range(len(path) + 1):
+            ancestors[i, number[path[:d]]] = True
+    return DraftTree(
+        top_k=top_k,
+        depth_limit=depth,
+        parent=parent,
+        depth=torch.tensor([len(p) for p in paths]),
+        rank=torch.tensor([p[-1] if p else 0 for p in paths]),
+        ancestors=ancestors,
+    )
+
+
+def greedy_accept(tree: DraftTree, tokens: torch.Tensor, predictions: torch.Tensor) -> int:
+    """The deepest node reachable from the root through children whose token equals the main
+    prediction at their parent (greedy verification). Returns its node index."""
+    accepted = torch.zeros(tree.size, dtype=torch.bool, device=tokens.device)
+    accepted[0] = True
+    parent = tree.parent.clamp(min=0)
+    for d in range(1, tree.depth_limit + 1):
+        level = tree.depth == d
+        ok = accepted[parent] & (tokens == predictions[parent]) & level
+        if not ok.any():
+            break
+        accepted |= ok
+    deepest = torch.where(accepted, tree.depth, -1)
+    return int(deepest.argmax())
+
+
+def prune_by_transition(tree: DraftTree, tokens: torch.Tensor, early_log_probs: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Nodes kept after dropping every child whose early-exit transition probability from its
+    parent, softmax(z̃_parent)[child token], is below `threshold`, with its subtree.
+
+    Args:
+        early_log_probs: [N, V] log-softmax of the early-exit logits at each node.
+    Returns the sorted indices of kept nodes (the root is always kept).
+    """
+    parent = tree.parent.clamp(min=0)
+    transition = early_log_probs[parent, tokens].exp()
+    keep = torch.ones(tree.size, dtype=torch.bool, device=tokens.device)
+    for d in range(1, tree.depth_limit + 1):  # parents first: a dropped node drops its subtree
+        level = tree.depth == d
+        keep = torch.where(level, keep[parent] & (transition >= threshold), keep)
+    return keep.nonzero().flatten()

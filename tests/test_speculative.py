@@ -1,0 +1,149 @@
+"""Greedy speculative streaming: draft trees as pure tensors, and decoding that reproduces
+autoregressive decoding exactly, with and without pruning, whatever the tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCHS, make_model, random_ids
+from streamspec import StreamConfig, add_streams
+from streamspec.decoding import generate, generate_autoregressive
+from streamspec.tree import build_tree, greedy_accept, prune_by_transition
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# -- trees ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k, depth", [(1, 3), (2, 2), (3, 3), (4, 1), (3, 0)])
+def test_tree_shape(k, depth):
+    tree = build_tree(k, depth)
+    assert tree.size == sum(k**d for d in range(depth + 1))
+    assert int(tree.parent[0]) == -1 and all(int(tree.parent[i]) < i for i in range(1, tree.size))
+    for i in range(tree.size):
+        path = tree.path_to(i)
+        assert path[0] == 0 and path[-1] == i and len(path) == int(tree.depth[i]) + 1
+        expected = torch.zeros(tree.size, dtype=torch.bool)
+        expected[path] = True
+        assert torch.equal(tree.ancestors[i], expected)
+    for parent in range(tree.size):  # siblings hold distinct ranks
+        ranks = tree.rank[tree.parent == parent]
+        assert len(set(ranks.tolist())) == len(ranks)
+
+
+def test_tree_tokens_and_greedy_accept():
+    tree = build_tree(2, 2)  # nodes: 0; 1,2 (depth 1); 3,4 (under 1), 5,6 (under 2)
+    candidates = torch.tensor([[10, 11], [20, 21]])
+    tokens = tree.tokens(torch.tensor(5), candidates)
+    assert tokens.tolist() == [5, 10, 11, 20, 21, 20, 21]
+    predictions = torch.tensor([11, 0, 21, 0, 0, 0, 0])  # root predicts 11 -> node 2; node 2 predicts 21 -> node 6
+    assert greedy_accept(tree, tokens, predictions) == 6
+    assert greedy_accept(tree, tokens, torch.tensor([99, 0, 0, 0, 0, 0, 0])) == 0
+    assert greedy_accept(tree, tokens, torch.tensor([10, 99, 0, 0, 0, 0, 0])) == 1
+
+
+def test_pruning_drops_subtrees_below_threshold():
+    tree = build_tree(2, 2)
+    tokens = torch.tensor([5, 10, 11, 20, 21, 20, 21])
+    probs = torch.full((7, 30), 1e-6)
+    probs[0, 10], probs[0, 11] = 0.6, 0.05  # node 2 (token 11) is unlikely: it and its subtree go
+    probs[1, 20], probs[1, 21] = 0.3, 0.01  # under node 1, only node 3 (token 20) stays
+    kept = prune_by_transition(tree, tokens, probs.log(), threshold=0.1)
+    assert kept.tolist() == [0, 1, 3]
+    sub = tree.subset(kept)
+    assert sub.parent.tolist() == [-1, 0, 1] and sub.depth.tolist() == [0, 1, 2]
+    assert prune_by_transition(tree, tokens, probs.log(), threshold=0.0).tolist() == list(range(7))
+
+
+# -- exactness --------------------------------------------------------------------------------
+SETTINGS = [(1, None), (3, None), (2, 0.01), (3, 0.2)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["shared", "lossless"])
+def test_random_models_decode_exactly(arch, mode):
+    for seed in range(3):
+        model = add_streams(make_model(arch, seed), StreamConfig(stream_layers=2, mode=mode)).eval()
+        prompt = random_ids(1, 3 + 2 * seed, seed)
+        reference = generate_autoregressive(model, prompt, 16)
+        for k, threshold in SETTINGS:
+            out = generate(model, prompt, 16, tree_top_k=k, prune_threshold=threshold)
+            assert torch.equal(out.tokens, reference), (seed, k, threshold)
+        if mode == "lossless":
+            with torch.no_grad():
+                ref = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                                          min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert torch.equal(reference, ref[:, prompt.shape[1]:])
+
+
+def _arithmetic(start: int, step: int, length: int) -> torch.Tensor:
+    return (3 + (start - 3 + step * torch.arange(length)) % 98)[None]
+
+
+@pytest.fixture(scope="module")
+def counting_model():
+    """A tiny model trained for a few seconds on arithmetic sequences, so its streams draft well
+    and whole paths get accepted (random models accept almost nothing)."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = add_streams(make_model("llama", 0), StreamConfig(stream_layers=2)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        starts, steps = torch.randint(3, 101, (16, 1)), torch.randint(1, 3, (16, 1))
+        ids = 3 + (starts - 3 + steps * torch.arange(24)) % 98
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.set_num_threads(threads)
+    return model.eval()
+
+
+@pytest.mark.parametrize("k, threshold", SETTINGS)
+def test_trained_streams_accept_long_paths_and_stay_exact(counting_model, k, threshold):
+    prompt = _arithmetic(10, 2, 5)
+    reference = generate_autoregressive(counting_model, prompt, 30)
+    out = generate(counting_model, prompt, 30, tree_top_k=k, prune_threshold=threshold)
+    assert torch.equal(out.tokens, reference)
+    assert out.tokens_per_pass > 2.5, out.accepted_per_pass  # whole paths accepted: 1 + γ per pass at best
+    assert sum(out.accepted_per_pass) >= out.tokens.shape[1]
+    assert len(out.nodes_per_pass) == out.forward_passes - 1
+    if threshold:
+        assert all(after < before for before, after in out.nodes_per_pass[1:]), out.nodes_per_pass
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
+def test_max_new_tokens_exact_inside_accepted_paths(counting_model, max_new_tokens):
+    prompt = _arithmetic(40, 1, 6)
+    reference = generate_autoregressive(counting_model, prompt, max_new_tokens)
+    out = generate(counting_model, prompt, max_new_tokens)
+    assert out.tokens.shape[1] == max_new_tokens and torch.equal(out.tokens, reference)
+
+
+@pytest.mark.parametrize("position", [0, 3, 6, 9])
+def test_eos_inside_accepted_paths(counting_model, position):
+    prompt = _arithmetic(20, 1, 6)
+    free = generate_autoregressive(counting_model, prompt, 20)
+    eos = int(free[0, position])
+    out = generate(counting_model, prompt, 20, eos_token_id=eos)
+    assert torch.equal(out.tokens, free[:, : position + 1])
+    assert torch.equal(out.tokens, generate_autoregressive(counting_model, prompt, 20, eos_token_id=eos))
+
+
+def test_bad_arguments_are_refused():
+    model = add_streams(make_model("llama"), StreamConfig(stream_layers=2)).eval()
+    prompt = random_ids(1, 4, 0)
+    cases = [
+        (dict(input_ids=prompt[:, :0], max_new_tokens=4), "non-empty"),
+        (dict(input_ids=prompt, max_new_tokens=0), "max_new_tokens"),
+        (dict(input_ids=prompt, max_new_tokens=4, tree_top_k=0), "tree_top_k"),
+        (dict(input_ids=prompt, max_new_tokens=4, prune_threshold=1.0), "prune_threshold"),
+        (dict(input_ids=prompt, max_new_tokens=4, prune_threshold=-0.1), "prune_threshold"),
+        (dict(input_ids=random_ids(1, 60, 0), max_new_tokens=10), "context"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            generate(model, **kwargs)
+    with pytest.raises(TypeError, match="StreamedModel"):
+        generate(make_model("llama"), prompt, 4)
