@@ -21,19 +21,69 @@ from .model import StreamedModel
 from .tree import DraftTree, build_tree, greedy_accept, prune_by_transition
 
 
+class Sampler:
+    """Picks the next token from logits: argmax when `temperature` is 0, else a draw from the
+    softmax of logits/temperature restricted to `top_k` and nucleus `top_p`, with its own RNG."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are drawn from ([..., V])."""
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token (0-dim) from [V] logits."""
+        if self.greedy:
+            return logits.argmax(-1)
+        return torch.multinomial(self.probs(logits), 1, generator=self.generator)[0]
+
+
 @torch.no_grad()
 def generate_autoregressive(
-    model: StreamedModel, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None
+    model: StreamedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    sampler: Sampler | None = None,
 ) -> torch.Tensor:
-    """Greedy decoding, one token per pass. `input_ids` is [1, T]; returns the new tokens [1, n]
-    (stopping after an EOS token, which is included)."""
+    """One token per pass (greedy unless a `Sampler` is given). `input_ids` is [1, T]; returns
+    the new tokens [1, n] (stopping after an EOS token, which is included)."""
     if not isinstance(model, StreamedModel):
         raise TypeError(f"generate_autoregressive needs a StreamedModel, got {type(model).__name__}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty [1, T] tensor, got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    stop = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    choose = sampler or Sampler(device=input_ids.device)
+    stop = _stop_set(eos_token_id)
     device = input_ids.device
     cache = MainStreamCache(len(model.layers))
     one_slot = torch.zeros(1, 1, dtype=torch.long, device=device)  # streams at the last new position
@@ -46,13 +96,17 @@ def generate_autoregressive(
         main_ok = main_allowed(causal(n, device), torch.ones(1, past + n, dtype=torch.bool, device=device))
         lower = model.run_lower(tokens, positions, main_ok, cache)
         main, _ = model.run_upper(lower, positions, main_ok, one_slot + (n - 1), valid, cache)
-        token = model.head(main[:, -1]).argmax(-1, keepdim=True)
+        token = choose(model.head(main[0, -1])).view(1, 1)
         generated.append(token)
         past += n
         tokens = token
         if int(token) in stop:
             break
     return torch.cat(generated, dim=1)
+
+
+def _stop_set(eos_token_id) -> set[int]:
+    return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
 
 
 @dataclass
@@ -89,24 +143,33 @@ def generate(
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
     tree_top_k: int = 3,
     prune_threshold: float | None = None,
     eos_token_id: int | list[int] | None = None,
     speculative: bool = True,
+    seed: int | None = None,
 ) -> GenerateOutput:
-    """Greedy speculative-streaming decoding (batch 1): each call verifies the previous draft tree
-    with the main stream and drafts the next one from the streams of the deepest accepted node.
+    """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
+    the main stream and drafts the next one from the streams of the deepest accepted node.
 
-    The tokens equal `generate_autoregressive` (``speculative=False`` runs that). Sampling and
-    batches are not implemented yet.
+    Greedy (temperature 0): the tokens equal `generate_autoregressive` (``speculative=False`` runs
+    that). Sampling: at each node of the accepted path a token is drawn from the main stream's
+    distribution; if it is one of the node's children the path goes on, else it is the correction.
+    Each token is therefore drawn from exactly the distribution autoregressive sampling uses
+    (lossless); the drafts only decide how many draws one call can check. Batches are not
+    implemented yet.
     """
+    _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold)
+    sampler = Sampler(temperature, top_p, top_k, seed, device=input_ids.device)
     if not speculative:
         start = time.perf_counter()
-        tokens = generate_autoregressive(model, input_ids, max_new_tokens, eos_token_id)
+        tokens = generate_autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler)
         n = tokens.shape[1]
         return GenerateOutput(tokens, n, [1] * n, [], [(time.perf_counter() - start) / n] * n)
-    _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold)
-    stop = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    stop = _stop_set(eos_token_id)
     device = input_ids.device
     g = model.stream_config.num_streams
     tree = _tree(tree_top_k, g).to(device)
@@ -123,7 +186,7 @@ def generate(
     last = torch.full((1, 1), length - 1, dtype=torch.long, device=device)
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
-    root = model.head(main[0, -1]).argmax(-1)
+    root = sampler(model.head(main[0, -1]))
     candidates = model.head(streams[0, 0]).topk(tree_top_k, dim=-1).indices  # [γ, k]
     generated = [root]
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [time.perf_counter() - start]
@@ -147,15 +210,19 @@ def generate(
         main, streams = model.run_upper(
             lower[:, kept], positions[:, kept], upper_ok, slots, torch.ones_like(slots, dtype=torch.bool), cache
         )
-        predictions = model.head(main[0]).argmax(-1)
-        deepest = greedy_accept(sub, tokens[kept], predictions)
+        node_logits = model.head(main[0])
+        if sampler.greedy:
+            predictions = node_logits.argmax(-1)
+            deepest = greedy_accept(sub, tokens[kept], predictions)
+            root = predictions[deepest]
+        else:
+            deepest, root = _sample_path(sub, tokens[kept], node_logits, sampler)
         path = torch.tensor(sub.path_to(deepest), device=device)
         cache.keep(past, kept[path], lower_layers)
         cache.keep(past, path, upper_layers)
         past += len(path)
-        new = list(tokens[kept][path[1:]]) + [predictions[deepest]]
+        new = list(tokens[kept][path[1:]]) + [root]
         generated.extend(new)
-        root = predictions[deepest]
         candidates = model.head(streams[0, deepest]).topk(tree_top_k, dim=-1).indices
         out.forward_passes += 1
         out.accepted_per_pass.append(len(new))
@@ -168,6 +235,18 @@ def generate(
         tokens = tokens[: hits[0] + 1]
     out.tokens = tokens[None]
     return out
+
+
+def _sample_path(tree: DraftTree, tokens: torch.Tensor, logits: torch.Tensor, sampler: Sampler) -> tuple[int, torch.Tensor]:
+    """Walk down from the root: draw a token from the main distribution at the current node; if a
+    child holds it, move there, else stop. Returns the last node and the token drawn there."""
+    node = 0
+    while True:
+        token = sampler(logits[node])
+        children = ((tree.parent == node) & (tokens == token)).nonzero()
+        if len(children) == 0:
+            return node, token
+        node = int(children[0])
 
 
 def _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold) -> None:
