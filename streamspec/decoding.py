@@ -119,10 +119,12 @@ class GenerateOutput:
         accepted_per_pass: tokens each call added (prefill: 1).
         nodes_per_pass: draft-tree nodes before and after pruning, per call after prefill.
         seconds_per_pass: wall time of each call, prefill included.
+        lengths: for a batch, the number of real tokens of each row of `tokens`.
     """
 
     tokens: torch.Tensor
     forward_passes: int
+    lengths: list[int] | None = None
     accepted_per_pass: list[int] = field(default_factory=list)
     nodes_per_pass: list[tuple[int, int]] = field(default_factory=list)
     seconds_per_pass: list[float] = field(default_factory=list)
@@ -146,11 +148,12 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int | None = None,
-    tree_top_k: int = 3,
+    tree_top_k: int | None = None,
     prune_threshold: float | None = None,
     eos_token_id: int | list[int] | None = None,
     speculative: bool = True,
     seed: int | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -159,11 +162,25 @@ def generate(
     that). Sampling: at each node of the accepted path a token is drawn from the main stream's
     distribution; if it is one of the node's children the path goes on, else it is the correction.
     Each token is therefore drawn from exactly the distribution autoregressive sampling uses
-    (lossless); the drafts only decide how many draws one call can check. Batches are not
-    implemented yet.
+    (lossless); the drafts only decide how many draws one call can check.
+
+    Args:
+        tree_top_k: candidates per stream; default 3 for one sequence. A batch (B > 1, padded
+            through `attention_mask`) uses the single best path per sequence (tree_top_k 1).
+        prune_threshold: drop draft children whose early-exit transition probability is below it.
     """
-    _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold)
+    batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
+    if tree_top_k is None:
+        tree_top_k = 1 if batched else 3
+    _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative)
     sampler = Sampler(temperature, top_p, top_k, seed, device=input_ids.device)
+    if batched:
+        from .batching import generate_batch
+
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        return generate_batch(model, input_ids, mask, max_new_tokens, sampler, _stop_set(eos_token_id), GenerateOutput)
+    if attention_mask is not None and not attention_mask.bool().all():
+        input_ids = input_ids[:, attention_mask[0].bool()]  # one sequence: drop its padding
     if not speculative:
         start = time.perf_counter()
         tokens = generate_autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler)
@@ -249,13 +266,23 @@ def _sample_path(tree: DraftTree, tokens: torch.Tensor, logits: torch.Tensor, sa
         node = int(children[0])
 
 
-def _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold) -> None:
+def _check_generate_args(
+    model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative
+) -> None:
     if not isinstance(model, StreamedModel):
         raise TypeError(f"generate needs a StreamedModel (see add_streams), got {type(model).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty [batch, length] tensor")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"speculative generate takes one sequence for now, got a batch of {input_ids.shape[0]}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] > 1:
+        if tree_top_k != 1 or prune_threshold is not None:
+            raise ValueError(
+                "a batch decodes the single best path per sequence: tree_top_k must be 1 (or unset) and "
+                "prune_threshold None"
+            )
+        if not speculative:
+            raise ValueError("speculative=False decodes one sequence at a time; pass a batch of 1")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and input_ids.shape[1] + max_new_tokens + model.stream_config.num_streams > limit:
         raise ValueError(

@@ -147,3 +147,54 @@ def test_bad_arguments_are_refused():
             generate(model, **kwargs)
     with pytest.raises(TypeError, match="StreamedModel"):
         generate(make_model("llama"), prompt, 4)
+
+
+# -- batches ----------------------------------------------------------------------------------
+def _padded(prompts, side):
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        n = p.shape[1]
+        where = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[i, where], mask[i, where] = p[0], 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_batches_equal_per_sequence_greedy(arch, side):
+    model = add_streams(make_model(arch, 1), StreamConfig(stream_layers=2)).eval()
+    prompts = [random_ids(1, n, seed=n) for n in (3, 7, 5)]
+    ids, mask = _padded(prompts, side)
+    out = generate(model, ids, 9, attention_mask=mask)
+    for row, prompt in enumerate(prompts):
+        expected = generate_autoregressive(model, prompt, 9)
+        assert out.lengths[row] == expected.shape[1]
+        assert torch.equal(out.tokens[row : row + 1, : out.lengths[row]], expected), row
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_batches_accept_paths_and_honour_eos(counting_model, side):
+    prompts = [_arithmetic(10, 2, 5), _arithmetic(50, 1, 8), _arithmetic(30, 2, 3)]
+    ids, mask = _padded(prompts, side)
+    eos = int(generate_autoregressive(counting_model, prompts[1], 20)[0, 5])
+    out = generate(counting_model, ids, 20, attention_mask=mask, eos_token_id=eos)
+    for row, prompt in enumerate(prompts):
+        expected = generate_autoregressive(counting_model, prompt, 20, eos_token_id=eos)
+        assert torch.equal(out.tokens[row : row + 1, : out.lengths[row]], expected), row
+    assert out.lengths[1] == 6  # stopped at the EOS inside an accepted path
+    assert sum(out.lengths) / out.forward_passes > 2 * len(prompts), out.accepted_per_pass
+
+
+def test_batch_arguments_are_checked():
+    model = add_streams(make_model("llama"), StreamConfig(stream_layers=2)).eval()
+    ids = random_ids(2, 4, 0)
+    with pytest.raises(ValueError, match="single best path"):
+        generate(model, ids, 4, tree_top_k=3)
+    with pytest.raises(ValueError, match="single best path"):
+        generate(model, ids, 4, prune_threshold=0.1)
+    with pytest.raises(ValueError, match="attention_mask"):
+        generate(model, ids, 4, attention_mask=torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="real token"):
+        generate(model, ids, 4, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
