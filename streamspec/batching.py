@@ -42,8 +42,10 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     lengths = key_real.sum(dim=1)  # the next position id of each row
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [batch], [time.perf_counter() - start]
 
+    ended = {b for b in range(batch) if int(roots[b]) in stop}
+
     def finished(b):
-        return len(generated[b]) >= max_new_tokens or int(generated[b][-1]) in stop
+        return len(generated[b]) >= max_new_tokens or b in ended
 
     while not all(finished(b) for b in range(batch)):
         start = time.perf_counter()
@@ -60,8 +62,11 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
         for b in range(batch):
             depth, token = _walk_chain(chain[b], logits[b], sampler)
             if not finished(b):
-                generated[b].extend(list(chain[b, 1 : depth + 1]) + [token])
+                new = list(chain[b, 1 : depth + 1]) + [token]
+                generated[b].extend(new)
                 accepted_total += depth + 1
+                if any(int(t) in stop for t in new):
+                    ended.add(b)
             key_real[b, key_real.shape[1] - n + depth + 1 :] = False  # rejected drafts leave the cache for good
             lengths[b] += depth + 1
             roots[b] = token

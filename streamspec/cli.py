@@ -23,6 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--checkpoint", required=True, help="a checkpoint-N or final folder of a training run")
     export.add_argument("--out", required=True, help="the folder to write")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
+    gen = sub.add_parser("generate", help="decode a prompt with speculative streaming")
+    gen.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
+    gen.add_argument("--prompt", required=True, help="the user message (the chat template is applied when there is one)")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--tree-top-k", type=int, default=3)
+    gen.add_argument("--prune-threshold", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -40,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint import export_checkpoint
 
         print(export_checkpoint(args.checkpoint, args.out, merge=args.merge))
+    elif args.command == "generate":
+        from .inference import generate_text
+
+        generate_text(
+            args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold,
+            seed=args.seed, speculative=not args.no_speculative, stream=args.stream,
+        )
     elif args.command == "prepare":
         from .assets import default_model_path
 

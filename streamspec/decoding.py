@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -154,6 +155,7 @@ def generate(
     speculative: bool = True,
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -168,6 +170,8 @@ def generate(
         tree_top_k: candidates per stream; default 3 for one sequence. A batch (B > 1, padded
             through `attention_mask`) uses the single best path per sequence (tree_top_k 1).
         prune_threshold: drop draft children whose early-exit transition probability is below it.
+        on_tokens: called with each call's accepted tokens as they come (one sequence only), cut
+            at max_new_tokens and after EOS like the returned tokens.
     """
     batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
     if tree_top_k is None:
@@ -185,6 +189,8 @@ def generate(
         start = time.perf_counter()
         tokens = generate_autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler)
         n = tokens.shape[1]
+        if on_tokens is not None:
+            on_tokens(tokens[0].tolist())
         return GenerateOutput(tokens, n, [1] * n, [], [(time.perf_counter() - start) / n] * n)
     stop = _stop_set(eos_token_id)
     device = input_ids.device
@@ -206,10 +212,13 @@ def generate(
     root = sampler(model.head(main[0, -1]))
     candidates = model.head(streams[0, 0]).topk(tree_top_k, dim=-1).indices  # [γ, k]
     generated = [root]
+    if on_tokens is not None:
+        on_tokens([int(root)])
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [time.perf_counter() - start]
     past = length
 
-    while len(generated) < max_new_tokens and int(generated[-1]) not in stop:
+    ended = int(root) in stop
+    while len(generated) < max_new_tokens and not ended:
         start = time.perf_counter()
         tokens = tree.tokens(root, candidates)
         positions = (past + tree.depth)[None]
@@ -239,7 +248,10 @@ def generate(
         cache.keep(past, path, upper_layers)
         past += len(path)
         new = list(tokens[kept][path[1:]]) + [root]
+        if on_tokens is not None:
+            on_tokens(_within_limits([int(t) for t in new], len(generated), max_new_tokens, stop))
         generated.extend(new)
+        ended = any(int(t) in stop for t in new)
         candidates = model.head(streams[0, deepest]).topk(tree_top_k, dim=-1).indices
         out.forward_passes += 1
         out.accepted_per_pass.append(len(new))
@@ -252,6 +264,16 @@ def generate(
         tokens = tokens[: hits[0] + 1]
     out.tokens = tokens[None]
     return out
+
+
+def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[int]) -> list[int]:
+    """The part of `new` that the output keeps: up to max_new_tokens in all, and through the first
+    stop token."""
+    new = new[: max(max_new_tokens - before, 0)]
+    for i, token in enumerate(new):
+        if token in stop:
+            return new[: i + 1]
+    return new
 
 
 def _sample_path(tree: DraftTree, tokens: torch.Tensor, logits: torch.Tensor, sampler: Sampler) -> tuple[int, torch.Tensor]:

@@ -198,3 +198,12 @@ def test_batch_arguments_are_checked():
         generate(model, ids, 4, attention_mask=torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="real token"):
         generate(model, ids, 4, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
+
+
+def test_on_tokens_streams_exactly_the_output(counting_model):
+    prompt = _arithmetic(20, 1, 6)
+    eos = int(generate_autoregressive(counting_model, prompt, 20)[0, 6])
+    for kwargs in (dict(max_new_tokens=7), dict(max_new_tokens=20, eos_token_id=eos), dict(max_new_tokens=9)):
+        seen: list[int] = []
+        out = generate(counting_model, prompt, on_tokens=seen.extend, **kwargs)
+        assert seen == out.tokens[0].tolist(), kwargs

@@ -1,0 +1,50 @@
+"""Text in, text out: the `streamspec generate` command's logic."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from .checkpoint import load_streamed, read_checkpoint_meta
+from .data.build import format_prompt
+from .decoding import generate
+
+
+def checkpoint_tokenizer(checkpoint: str | Path):
+    """The tokenizer of a streamed checkpoint: its own files when merged, else its base's."""
+    from .assets import load_tokenizer
+
+    meta = read_checkpoint_meta(checkpoint)
+    return load_tokenizer(str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"])
+
+
+def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out=sys.stdout, **kwargs) -> str:
+    """Decode `prompt` with the checkpoint; print the text (as it is accepted with `stream`) and a
+    one-line summary. Keyword arguments go to `streamspec.decoding.generate`."""
+    tokenizer = checkpoint_tokenizer(checkpoint)
+    model = load_streamed(checkpoint)
+    ids = tokenizer(format_prompt(tokenizer, {"prompt": prompt}), return_tensors="pt", add_special_tokens=False).input_ids
+    shown: list[int] = []
+    printed = ""
+
+    def show(tokens: list[int]) -> None:
+        nonlocal printed
+        shown.extend(tokens)
+        text = tokenizer.decode(shown, skip_special_tokens=True)
+        out.write(text[len(printed):])
+        out.flush()
+        printed = text
+
+    start = time.perf_counter()
+    result = generate(model, ids, eos_token_id=tokenizer.eos_token_id, on_tokens=show if stream else None, **kwargs)
+    seconds = time.perf_counter() - start
+    text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+    if not stream:
+        out.write(text)
+    n = result.tokens.shape[1]
+    out.write(
+        f"\\n[{n} tokens in {seconds:.2f} s: {n / seconds:.1f} tokens/s, {result.tokens_per_pass:.2f} tokens per pass, "
+        f"{result.forward_passes} passes]\\n"
+    )
+    return text
