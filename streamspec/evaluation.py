@@ -39,12 +39,14 @@ def sql_is_valid(prediction: str, schema: str) -> bool:
         connection.close()
 
 
-def greedy_generator(kind: str, path: str | None = None, base: str | None = None):
+def greedy_generator(kind: str, path: str | None = None, base: str | None = None, stats: list | None = None):
     """A function ``input_ids [1, T] -> new token ids [1, n]`` (greedy) and the tokenizer, for:
 
     - ``"base"``: the base model itself (`base`, default the built-in SmolLM2), transformers `generate`;
     - ``"next_token"``: a peft adapter folder `path` (a next-token fine-tune) on that base;
-    - ``"streamed"``: a streamed checkpoint `path`, decoded one token per pass.
+    - ``"streamed"``: a streamed checkpoint `path`, decoded one token per pass;
+    - ``"speculative"``: a streamed checkpoint `path`, decoded with speculative streaming (greedy,
+      tree_top_k 3); each call's `GenerateOutput` is appended to `stats` when given.
     """
     import torch
 
@@ -52,19 +54,28 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
 
     base_id = base or DEFAULT_MODEL_ID
     tokenizer = load_tokenizer(base_id)
-    if kind == "streamed":
+    if kind in ("streamed", "speculative"):
         from .checkpoint import load_streamed
-        from .decoding import generate_autoregressive
+        from .decoding import generate, generate_autoregressive
 
         model = load_streamed(path)
-        return (lambda ids, n: generate_autoregressive(model, ids, n, tokenizer.eos_token_id)), tokenizer
+        if kind == "streamed":
+            return (lambda ids, n: generate_autoregressive(model, ids, n, tokenizer.eos_token_id)), tokenizer
+
+        def speculative(ids, n):
+            out = generate(model, ids, n, eos_token_id=tokenizer.eos_token_id)
+            if stats is not None:
+                stats.append(out)
+            return out.tokens
+
+        return speculative, tokenizer
     model = load_base_model(base_id)
     if kind == "next_token":
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, path).eval()
     elif kind != "base":
-        raise ValueError(f"kind must be one of ['base', 'next_token', 'streamed'], got {kind!r}")
+        raise ValueError(f"kind must be one of ['base', 'next_token', 'streamed', 'speculative'], got {kind!r}")
 
     def run(ids, n):
         with torch.no_grad():
