@@ -127,6 +127,8 @@ class TrainingArgs:
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive("training.logging_steps", self.logging_steps)
         _positive("training.save_steps", self.save_steps)
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"training.warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if self.learning_rate <= 0:
             raise ValueError(f"training.learning_rate must be > 0, got {self.learning_rate!r}")
         if self.epochs <= 0 and self.max_steps <= 0:
