@@ -62,11 +62,12 @@ class StreamParameters(nn.Module):
     """Everything the patch adds: stream identifiers P_j, the optional low-rank init map, and the
     early-exit adapter. Only this module (and a LoRA adapter) is saved in a streamed checkpoint."""
 
-    def __init__(self, config: StreamConfig, hidden_size: int, init_std: float) -> None:
+    def __init__(self, config: StreamConfig, hidden_size: int) -> None:
         super().__init__()
         g = config.num_streams
         if config.stream_init != "value_rotation":
-            self.stream_embeddings = nn.Parameter(torch.randn(g, hidden_size) * init_std)
+            # In units of the main state's RMS (see make_streams): each stream starts 30% away.
+            self.stream_embeddings = nn.Parameter(torch.randn(g, hidden_size) * STREAM_INIT_STD)
         if config.stream_init == "lowrank":
             self.init_down = nn.Linear(hidden_size, config.init_rank, bias=False)
             self.init_up = nn.Linear(config.init_rank, hidden_size, bias=False)
@@ -79,18 +80,28 @@ class StreamParameters(nn.Module):
         self.num_streams = g
 
     def make_streams(self, main: torch.Tensor) -> torch.Tensor:
-        """S_j = f(M) + P_j: [B, S, h] main hidden states -> [B, S, γ, h] stream hidden states."""
+        """S_j = f(M) + rms(M)·P_j: [B, S, h] main hidden states -> [B, S, γ, h] stream states.
+
+        P_j is expressed in units of the main state's root-mean-square (detached). Hidden states
+        at layer N−Ns are large (RMS ≈ 225 for SmolLM2-135M) and their scale differs by orders of
+        magnitude between models; an unscaled P_j of the usual init size would be thousands of
+        times smaller than M, every stream would start as a copy of the main stream, and the
+        fine-tuning learning rate would be far too small to grow it. In these units one init and
+        one learning rate fit every model.
+        """
         if hasattr(self, "init_down"):
             main = main + self.init_up(self.init_down(main))
         streams = main[:, :, None, :].expand(-1, -1, self.num_streams, -1)
         if hasattr(self, "stream_embeddings"):
-            streams = streams + self.stream_embeddings
+            scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(main.dtype)
+            streams = streams + scale[:, :, None, :] * self.stream_embeddings
         return streams
 
     def early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.exit_up(self.exit_down(hidden))
 
 
+STREAM_INIT_STD = 0.3
 _LOSSLESS_NO_LORA = "mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter"
 
 
@@ -114,9 +125,8 @@ class StreamedModel(nn.Module):
         if config.mode == "lossless" and _is_peft(base):
             raise ValueError(_LOSSLESS_NO_LORA)
         hidden = hf.config.hidden_size
-        init_std = float(getattr(hf.config, "initializer_range", 0.02))
         param = next(hf.parameters())
-        self.streams = StreamParameters(config, hidden, init_std).to(device=param.device, dtype=param.dtype)
+        self.streams = StreamParameters(config, hidden).to(device=param.device, dtype=param.dtype)
         if config.mode == "lossless":
             for p in self.base.parameters():
                 p.requires_grad_(False)
