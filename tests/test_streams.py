@@ -583,3 +583,18 @@ def test_value_rotation_streams_differ(arch, mode):
         torch.testing.assert_close(plain.logits, out.logits, atol=ATOL, rtol=0)
     for j in range(g):
         assert not torch.allclose(plain.stream_logits[:, :, j], sl[:, :, j], atol=1e-4), j
+
+
+def test_stream_identifiers_scale_with_the_main_state():
+    """S_j = M + rms(M)·P_j: the same identifiers set streams apart at any hidden-state scale."""
+    streams = add_streams(make_model("llama"), StreamConfig(stream_layers=2)).streams
+    main = torch.randn(2, 5, HIDDEN)
+    for scale in (1e-2, 1.0, 300.0):
+        out = streams.make_streams(main * scale)
+        rms = (main * scale).pow(2).mean(-1, keepdim=True).sqrt()
+        expected = (main * scale)[:, :, None] + rms[:, :, None] * streams.stream_embeddings
+        torch.testing.assert_close(out, expected)
+        # Each stream sits ||P_j||/sqrt(h) away from its main state, relative to the state's norm.
+        relative = (out - (main * scale)[:, :, None]).norm(dim=-1) / (main * scale).norm(dim=-1)[:, :, None]
+        expected_relative = streams.stream_embeddings.detach().norm(dim=-1) / HIDDEN**0.5
+        torch.testing.assert_close(relative, expected_relative.expand_as(relative), rtol=1e-4, atol=1e-6)
