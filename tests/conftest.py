@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
+from streamspec import load_default_tokenizer
 from streamspec.layout import position_ids_from_mask
 
 VOCAB = 101
@@ -121,3 +122,20 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved with the SmolLM2 tokenizer (its chat template, its vocabulary)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+

@@ -14,29 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from streamspec import load_default_tokenizer, load_streamed
+from streamspec import load_streamed
 from streamspec.recipe import load_recipe
 from streamspec.training import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "sql.yaml"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama saved with the SmolLM2 tokenizer (its chat template, its vocabulary)."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = load_default_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _overrides(tiny_dir, out, **extra):

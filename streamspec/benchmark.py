@@ -1,0 +1,313 @@
+"""Side-by-side speed and quality of decoding methods on the same held-out prompts (batch 1,
+greedy), in one process: what `streamspec eval` runs.
+
+Methods:
+- ``baseline``: transformers `generate` on the model users would run today (the next-token LoRA
+  fine-tune given as ``baseline``, or the unpatched base for a lossless checkpoint): speedup 1.0;
+- ``prompt_lookup``: transformers prompt-lookup decoding on that same model;
+- ``streamed_ar``: the streamed model, one token per pass (speculative=False);
+- ``chain``, ``tree``, ``tree_pruned``: speculative streaming with tree_top_k 1, k, and k with the
+  pruning threshold chosen on validation prompts.
+
+Each method reports tokens/s, walltime speedup over the baseline, CRR (generated tokens ÷ forward
+passes), mean tokens per pass, acceptance by depth, whether its outputs equal the streamed
+model's autoregressive outputs, and quality (SQL exact match and validity, or ROUGE).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from .data.build import format_prompt
+from .decoding import generate
+from .evaluation import sql_exact_match, sql_is_valid
+
+
+@dataclass
+class MethodResult:
+    name: str
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    passes: int = 0
+    accepted: list[int] = field(default_factory=list)  # tokens per pass, after prefill
+
+    def summary(self, baseline_tps: float | None) -> dict:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        depth = {}
+        for n in self.accepted:
+            depth[n] = depth.get(n, 0) + 1
+        return {
+            "tokens_per_second": round(tps, 2),
+            "speedup": round(tps / baseline_tps, 3) if baseline_tps else None,
+            "crr": round(self.tokens / self.passes, 3) if self.passes else None,
+            "mean_tokens_per_pass": round(sum(self.accepted) / len(self.accepted), 3) if self.accepted else None,
+            "accepted_per_pass_histogram": dict(sorted(depth.items())),
+            "tokens": self.tokens,
+            "passes": self.passes,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+class CallCounter:
+    """Counts forward calls of a module (how many passes transformers `generate` made)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = module.register_forward_pre_hook(self._count)
+
+    def _count(self, *args) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
+    """A method that decodes with transformers `generate` (greedy) and counts its passes."""
+    counter = CallCounter(model)
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int]]:
+        before = counter.calls
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=eos_token_id, pad_token_id=eos_token_id, **generate_kwargs,
+            )
+        new = out[0, ids.shape[1]:].tolist()
+        return new, counter.calls - before, []
+
+    run.__name__ = name
+    return run
+
+
+def streaming_method(model, eos_token_id, **kwargs) -> Callable:
+    """A method that decodes with `streamspec.decoding.generate`."""
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int]]:
+        out = generate(model, ids, max_new_tokens, eos_token_id=eos_token_id, **kwargs)
+        return out.tokens[0].tolist(), out.forward_passes, out.accepted_per_pass[1:]
+
+    return run
+
+
+def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_new_tokens: int) -> dict[str, MethodResult]:
+    """Every method on every prompt, methods interleaved per prompt so machine noise hits all alike."""
+    results = {name: MethodResult(name) for name in methods}
+    for row in tqdm(rows, desc="benchmark", unit="prompt"):
+        ids = tokenizer(format_prompt(tokenizer, row), return_tensors="pt", add_special_tokens=False).input_ids
+        for name, method in methods.items():
+            start = time.perf_counter()
+            new, passes, accepted = method(ids, max_new_tokens)
+            r = results[name]
+            r.seconds += time.perf_counter() - start
+            r.tokens += len(new)
+            r.passes += passes
+            r.accepted.extend(accepted)
+            r.token_ids.append(new)
+            r.texts.append(tokenizer.decode(new, skip_special_tokens=True))
+    return results
+
+
+def quality(task: str, rows: list[dict], texts: list[str]) -> dict:
+    """SQL exact match and validity, or ROUGE-1/2/L/Lsum F1 (in %)."""
+    if task == "sql":
+        n = max(len(rows), 1)
+        return {
+            "exact_match": round(100 * sum(sql_exact_match(t, r["query"]) for t, r in zip(texts, rows)) / n, 2),
+            "valid": round(100 * sum(sql_is_valid(t, r["schema"]) for t, r in zip(texts, rows)) / n, 2),
+        }
+    from rouge_score import rouge_scorer
+
+    kinds = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
+    scorer = rouge_scorer.RougeScorer(kinds, use_stemmer=True)
+    totals = dict.fromkeys(kinds, 0.0)
+    for text, row in zip(texts, rows):
+        scores = scorer.score(row["completion"], text)
+        for k in kinds:
+            totals[k] += scores[k].fmeasure
+    return {k: round(100 * v / max(len(rows), 1), 2) for k, v in totals.items()}
+
+
+def report(task: str, rows: list[dict], results: dict[str, MethodResult], reference: str = "streamed_ar") -> dict:
+    """Summaries per method, the baseline being ``baseline`` when present."""
+    base = results.get("baseline")
+    base_tps = base.tokens / base.seconds if base and base.seconds else None
+    out = {}
+    for name, r in results.items():
+        entry = r.summary(base_tps)
+        if reference in results and name not in ("baseline", "prompt_lookup"):
+            entry["identical_to_autoregressive"] = r.token_ids == results[reference].token_ids
+        entry.update(quality(task, rows, r.texts))
+        out[name] = entry
+    return out
+
+
+def markdown_table(summary: dict) -> str:
+    columns = ["tokens_per_second", "speedup", "crr", "mean_tokens_per_pass", "identical_to_autoregressive"]
+    quality_keys = [k for k in next(iter(summary.values())) if k in ("exact_match", "valid", "rouge1", "rouge2", "rougeL", "rougeLsum")]
+    head = ["method", *columns, *quality_keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, entry in summary.items():
+        lines.append("| " + " | ".join([name] + [str(entry.get(c, "")) for c in columns + quality_keys]) + " |")
+    return "\n".join(lines)
+
+
+def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = None) -> dict[str, Path]:
+    """JSON, Markdown and PNG plots (speedup and CRR against tree_top_k; tokens-per-pass histogram)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "benchmark.json", "markdown": out / "benchmark.md"}
+    paths["json"].write_text(json.dumps({"methods": summary, "sweep": sweep or []}, indent=2) + "\n")
+    paths["markdown"].write_text(markdown_table(summary) + "\n")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("chain", "tree", "tree_pruned"):
+        histogram = summary.get(name, {}).get("accepted_per_pass_histogram") or {}
+        if histogram:
+            ax.bar([int(k) + {"chain": -0.25, "tree": 0, "tree_pruned": 0.25}[name] for k in histogram],
+                   list(histogram.values()), width=0.25, label=name)
+    ax.set_xlabel("tokens accepted per pass")
+    ax.set_ylabel("passes")
+    ax.legend()
+    fig.tight_layout()
+    paths["histogram"] = out / "tokens_per_pass.png"
+    fig.savefig(paths["histogram"], dpi=120)
+    plt.close(fig)
+
+    if sweep:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for pruned in (False, True):
+            points = sorted((p["tree_top_k"], p) for p in sweep if p["pruned"] == pruned)
+            label = "pruned" if pruned else "no pruning"
+            axes[0].plot([k for k, _ in points], [p["speedup"] for _, p in points], marker="o", label=label)
+            axes[1].plot([k for k, _ in points], [p["crr"] for _, p in points], marker="o", label=label)
+        for ax, title in zip(axes, ("walltime speedup", "CRR")):
+            ax.set_xlabel("tree_top_k")
+            ax.set_title(title)
+            ax.legend()
+        fig.tight_layout()
+        paths["sweep"] = out / "speedup_vs_tree_top_k.png"
+        fig.savefig(paths["sweep"], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def held_out_rows(task: str, data: str | None = None, split: str = "test") -> list[dict]:
+    """Prompts to benchmark: Spider's held-out databases, ACLSum, or a JSONL file with prompt and
+    completion fields."""
+    if data is not None:
+        from .data.build import load_rows
+
+        return load_rows(path=data)
+    if task == "sql":
+        from .data.spider import load_spider
+
+        return load_spider(split)
+    if task == "summarize":
+        from .data.aclsum import load_aclsum
+
+        return load_aclsum(split)
+    raise ValueError(f"task must be 'sql' or 'summarize' (or give data=FILE), got {task!r}")
+
+
+def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k: int, thresholds: list[float], max_new_tokens: int) -> float:
+    """The pruning threshold with the best tokens/s on validation prompts (never the test ones)."""
+    methods = {f"{t}": streaming_method(model, tokenizer.eos_token_id, tree_top_k=tree_top_k, prune_threshold=t)
+               for t in thresholds}
+    results = run_methods(methods, tokenizer, rows, max_new_tokens)
+    return float(max(results.values(), key=lambda r: r.tokens / max(r.seconds, 1e-9)).name)
+
+
+def run_benchmark(
+    checkpoint: str,
+    task: str = "sql",
+    data: str | None = None,
+    baseline: str | None = None,
+    limit: int | None = 50,
+    validation_limit: int = 10,
+    tree_top_k: int = 3,
+    thresholds: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2),
+    sweep_top_k: tuple[int, ...] = (),
+    max_new_tokens: int = 128,
+    out_dir: str | None = None,
+) -> dict:
+    """The whole side-by-side benchmark; see the module docstring. Returns the summary.
+
+    Args:
+        checkpoint: a streamed checkpoint.
+        baseline: a peft adapter folder of the next-token fine-tune on the same base; default the
+            unpatched base model (the right baseline for a lossless checkpoint).
+        limit / validation_limit: how many test / validation prompts (fixed order).
+        sweep_top_k: also measure speedup and CRR for these tree_top_k, with and without pruning.
+    """
+    from .checkpoint import load_streamed, read_checkpoint_meta
+    from .inference import checkpoint_tokenizer
+
+    meta = read_checkpoint_meta(checkpoint)
+    tokenizer = checkpoint_tokenizer(checkpoint)
+    model = load_streamed(checkpoint)
+    rows = held_out_rows(task, data)[:limit]
+    base_model = _baseline_model(meta, checkpoint, baseline)
+    eos = tokenizer.eos_token_id
+
+    threshold = None
+    if data is None and thresholds:
+        validation = held_out_rows(task, split="validation")[:validation_limit]
+        threshold = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds), max_new_tokens)
+    methods = {
+        "baseline": hf_method("baseline", base_model, eos),
+        "prompt_lookup": hf_method("prompt_lookup", base_model, eos, prompt_lookup_num_tokens=10),
+        "streamed_ar": streaming_method(model, eos, speculative=False),
+        "chain": streaming_method(model, eos, tree_top_k=1),
+        "tree": streaming_method(model, eos, tree_top_k=tree_top_k),
+    }
+    if threshold is not None:
+        methods["tree_pruned"] = streaming_method(model, eos, tree_top_k=tree_top_k, prune_threshold=threshold)
+    results = run_methods(methods, tokenizer, rows, max_new_tokens)
+    summary = report(task, rows, results)
+    if threshold is not None:
+        summary["tree_pruned"]["prune_threshold"] = threshold
+
+    sweep = []
+    if sweep_top_k:
+        base_tps = results["baseline"].tokens / results["baseline"].seconds
+        for k in sweep_top_k:
+            for pruned in (False, True):
+                if pruned and threshold is None:
+                    continue
+                run = run_methods({"m": streaming_method(model, eos, tree_top_k=k, prune_threshold=threshold if pruned else None)},
+                                  tokenizer, rows, max_new_tokens)["m"]
+                entry = run.summary(base_tps)
+                sweep.append({"tree_top_k": k, "pruned": pruned, "speedup": entry["speedup"], "crr": entry["crr"]})
+    if out_dir is not None:
+        paths = save_report(summary, out_dir, sweep)
+        summary_paths = {k: str(v) for k, v in paths.items()}
+        print(markdown_table(summary))
+        print("plots: " + ", ".join(v for k, v in summary_paths.items() if v.endswith(".png")))
+    return summary
+
+
+def _baseline_model(meta: dict, checkpoint: str, baseline: str | None):
+    from .assets import load_base_model
+
+    base_name = str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"]
+    model = load_base_model(base_name)
+    if baseline is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, baseline).eval()
+    return model
