@@ -44,7 +44,7 @@ def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out
         out.write(text)
     n = result.tokens.shape[1]
     out.write(
-        f"\\n[{n} tokens in {seconds:.2f} s: {n / seconds:.1f} tokens/s, {result.tokens_per_pass:.2f} tokens per pass, "
-        f"{result.forward_passes} passes]\\n"
+        f"\n[{n} tokens in {seconds:.2f} s: {n / seconds:.1f} tokens/s, {result.tokens_per_pass:.2f} tokens per pass, "
+        f"{result.forward_passes} passes]\n"
     )
     return text

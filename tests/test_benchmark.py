@@ -33,3 +33,22 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     for name in ("benchmark.md", "tokens_per_pass.png", "speedup_vs_tree_top_k.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     assert markdown_table(summary).count("\n") == len(summary) + 1
+
+
+def test_generate_command_streams_the_same_text(tiny_dir, tmp_path):
+    import io
+
+    from streamspec.cli import main
+    from streamspec.inference import generate_text
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    add_streams(base, StreamConfig(stream_layers=2)).save_pretrained(tmp_path / "ckpt")
+    streamed, plain = io.StringIO(), io.StringIO()
+    text = generate_text(tmp_path / "ckpt", "How many singers are there?", stream=True, out=streamed, max_new_tokens=12)
+    again = generate_text(tmp_path / "ckpt", "How many singers are there?", out=plain, max_new_tokens=12, speculative=False)
+    assert text == again
+    for shown in (streamed.getvalue(), plain.getvalue()):
+        body, summary = shown.rsplit("\n[", 1)
+        assert body == text and "tokens per pass" in summary
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
