@@ -130,11 +130,12 @@ def load_streamed(
     if meta.get("adapter"):
         base_model = _load_adapter(base_model, folder / meta["adapter"])
     model = add_streams(base_model, config)
-    _load_stream_weights(model, folder / WEIGHTS_FILE)
+    load_stream_weights(model, folder / WEIGHTS_FILE)
     return model.eval()
 
 
-def _load_stream_weights(model: StreamedModel, path: Path) -> None:
+def load_stream_weights(model: StreamedModel, path: Path) -> None:
+    """Load a `streams.safetensors` into `model.streams`, refusing missing, unexpected or mis-shaped keys."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     saved = load_file(path)
@@ -163,11 +164,11 @@ def _load_adapter(base: nn.Module, folder: Path) -> nn.Module:
     if not (folder / "adapter_config.json").is_file():
         raise CheckpointError(f"the adapter in {folder} is incomplete (adapter_config.json missing)")
     model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
-    _load_adapter_weights(model, folder)
+    load_adapter_weights(model, folder)
     return model
 
 
-def _load_adapter_weights(model: nn.Module, folder: Path) -> None:
+def load_adapter_weights(model: nn.Module, folder: Path) -> None:
     """Load `folder`'s adapter weights into a peft model that already has the adapter's shape."""
     from peft import set_peft_model_state_dict
 

@@ -25,7 +25,7 @@ import yaml
 from transformers import Trainer, TrainingArguments, set_seed
 
 from .assets import load_base_model, load_tokenizer
-from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, _load_adapter_weights, _load_stream_weights, read_checkpoint_meta
+from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, load_adapter_weights, load_stream_weights, read_checkpoint_meta
 from .data.aclsum import load_aclsum
 from .data.build import PadCollator, load_rows, log_stats, tokenize_rows
 from .data.spider import load_spider
@@ -194,8 +194,8 @@ def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
     if meta.get("adapter"):
         if not model.has_lora:
             raise ValueError(f"{folder} holds a LoRA adapter but the model has none")
-        _load_adapter_weights(model.base, folder / ADAPTER_DIR)
-    _load_stream_weights(model, folder / WEIGHTS_FILE)
+        load_adapter_weights(model.base, folder / ADAPTER_DIR)
+    load_stream_weights(model, folder / WEIGHTS_FILE)
 
 
 def evaluation_counts(model, batch: dict[str, torch.Tensor]) -> dict[str, float]:
