@@ -125,10 +125,10 @@ class GenerateOutput:
 
     tokens: torch.Tensor
     forward_passes: int
-    lengths: list[int] | None = None
     accepted_per_pass: list[int] = field(default_factory=list)
     nodes_per_pass: list[tuple[int, int]] = field(default_factory=list)
     seconds_per_pass: list[float] = field(default_factory=list)
+    lengths: list[int] | None = None
 
     @property
     def tokens_per_pass(self) -> float:
@@ -191,7 +191,10 @@ def generate(
         n = tokens.shape[1]
         if on_tokens is not None:
             on_tokens(tokens[0].tolist())
-        return GenerateOutput(tokens, n, [1] * n, [], [(time.perf_counter() - start) / n] * n)
+        return GenerateOutput(
+            tokens=tokens, forward_passes=n, accepted_per_pass=[1] * n,
+            seconds_per_pass=[(time.perf_counter() - start) / n] * n,
+        )
     stop = _stop_set(eos_token_id)
     device = input_ids.device
     g = model.stream_config.num_streams

@@ -207,3 +207,10 @@ def test_on_tokens_streams_exactly_the_output(counting_model):
         seen: list[int] = []
         out = generate(counting_model, prompt, on_tokens=seen.extend, **kwargs)
         assert seen == out.tokens[0].tolist(), kwargs
+
+
+def test_autoregressive_statistics(counting_model):
+    prompt = _arithmetic(10, 2, 5)
+    out = generate(counting_model, prompt, 9, speculative=False)
+    assert out.forward_passes == 9 and out.accepted_per_pass == [1] * 9 and out.nodes_per_pass == []
+    assert len(out.seconds_per_pass) == 9 and out.tokens_per_pass == 1.0 and out.lengths is None
