@@ -20,28 +20,15 @@ from streamspec.data.aclsum import ASPECTS, detokenize, load_aclsum
 from streamspec.data.build import PadCollator, format_prompt, load_rows, tokenize_rows
 from streamspec.data.spider import SPLITS, TEST_DATABASES, VALIDATION_DATABASES, load_spider
 from streamspec.recipe import load_recipe
-from streamspec.training import (
-    task_rows,
-)
+from streamspec.training import task_rows
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
-SMOLLM2 = ROOT / "recipes" / "smollm2-135m"
+SMOLLM2 = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
 SQL = SMOLLM2 / "sql.yaml"
-NEXT_TOKEN = SMOLLM2 / "sql_next_token.yaml"
-ZERO2 = ROOT / "recipes" / "deepspeed" / "zero2.json"
-ZERO3 = ROOT / "recipes" / "deepspeed" / "zero3.json"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_default_tokenizer()
-
-
-def _write_recipe(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
