@@ -230,7 +230,8 @@ def generate(
         kept = torch.arange(tree.size, device=device)
         sub = tree
         if prune_threshold is not None:
-            early = model.early_exit_head(lower[0]).log_softmax(-1)
+            # Only parents' transition rows are read: no full-vocabulary logits for the leaves.
+            early = model.early_exit_head(lower[0, : tree.num_parents]).log_softmax(-1)
             kept = prune_by_transition(tree, tokens, early, prune_threshold)
             sub = tree.subset(kept.cpu()).to(device)
         n = sub.size

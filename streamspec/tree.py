@@ -39,6 +39,11 @@ class DraftTree:
     def size(self) -> int:
         return int(self.parent.numel())
 
+    @property
+    def num_parents(self) -> int:
+        """Nodes that can have children (depth < depth_limit): the first ones, breadth first."""
+        return int((self.depth < self.depth_limit).sum())
+
     def tokens(self, root: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """Node tokens [N] from the root token (0-dim) and candidates [γ', k] (row d−1: depth d)."""
         drawn = candidates[(self.depth - 1).clamp(min=0), self.rank]
@@ -120,7 +125,8 @@ def prune_by_transition(tree: DraftTree, tokens: torch.Tensor, early_log_probs: 
     parent, softmax(z̃_parent)[child token], is below `threshold`, with its subtree.
 
     Args:
-        early_log_probs: [N, V] log-softmax of the early-exit logits at each node.
+        early_log_probs: [P, V] log-softmax of the early-exit logits at the first P nodes, P at
+            least `tree.num_parents` (only parents' rows are read).
     Returns the sorted indices of kept nodes (the root is always kept).
     """
     parent = tree.parent.clamp(min=0)
