@@ -39,13 +39,19 @@ class MethodResult:
     tokens: int = 0
     passes: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens per pass, after prefill
+    # seconds in the transformer layers, in the LM / early-exit heads, and outside both (streamspec only)
+    split: dict[str, float] = field(default_factory=dict)
 
     def summary(self, baseline_tps: float | None) -> dict:
         tps = self.tokens / self.seconds if self.seconds else 0.0
         depth = {}
         for n in self.accepted:
             depth[n] = depth.get(n, 0) + 1
+        timing = {}
+        if self.split and self.passes:
+            timing = {f"ms_per_pass_{k}": round(1000 * v / self.passes, 2) for k, v in self.split.items()}
         return {
+            **timing,
             "tokens_per_second": round(tps, 2),
             "speedup": round(tps / baseline_tps, 3) if baseline_tps else None,
             "crr": round(self.tokens / self.passes, 3) if self.passes else None,
@@ -54,6 +60,7 @@ class MethodResult:
             "tokens": self.tokens,
             "passes": self.passes,
             "seconds": round(self.seconds, 2),
+            "ms_per_pass": round(1000 * self.seconds / self.passes, 2) if self.passes else None,
         }
 
 
@@ -75,7 +82,7 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
     """A method that decodes with transformers `generate` (greedy) and counts its passes."""
     counter = CallCounter(model)
 
-    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int]]:
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
         before = counter.calls
         with torch.no_grad():
             out = model.generate(
@@ -83,7 +90,7 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
                 eos_token_id=eos_token_id, pad_token_id=eos_token_id, **generate_kwargs,
             )
         new = out[0, ids.shape[1]:].tolist()
-        return new, counter.calls - before, []
+        return new, counter.calls - before, [], {}
 
     run.__name__ = name
     return run
@@ -92,9 +99,13 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
 def streaming_method(model, eos_token_id, **kwargs) -> Callable:
     """A method that decodes with `streamspec.decoding.generate`."""
 
-    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int]]:
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
         out = generate(model, ids, max_new_tokens, eos_token_id=eos_token_id, **kwargs)
-        return out.tokens[0].tolist(), out.forward_passes, out.accepted_per_pass[1:]
+        split = {}
+        if out.forward_seconds_per_pass:
+            split = {"forward": sum(out.forward_seconds_per_pass), "head": sum(out.head_seconds_per_pass),
+                     "overhead": sum(out.overhead_seconds_per_pass)}
+        return out.tokens[0].tolist(), out.forward_passes, out.accepted_per_pass[1:], split
 
     return run
 
@@ -106,8 +117,10 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
         ids = tokenizer(format_prompt(tokenizer, row), return_tensors="pt", add_special_tokens=False).input_ids
         for name, method in methods.items():
             start = time.perf_counter()
-            new, passes, accepted = method(ids, max_new_tokens)
+            new, passes, accepted, split = method(ids, max_new_tokens)
             r = results[name]
+            for part, seconds in split.items():
+                r.split[part] = r.split.get(part, 0.0) + seconds
             r.seconds += time.perf_counter() - start
             r.tokens += len(new)
             r.passes += passes
@@ -152,7 +165,9 @@ def report(task: str, rows: list[dict], results: dict[str, MethodResult], refere
 
 
 def markdown_table(summary: dict) -> str:
-    columns = ["tokens_per_second", "speedup", "crr", "mean_tokens_per_pass", "identical_to_autoregressive"]
+    """One row per method: speed, CRR, exactness, quality, and where each pass's time goes."""
+    columns = ["tokens_per_second", "speedup", "crr", "mean_tokens_per_pass", "identical_to_autoregressive", "ms_per_pass",
+               "ms_per_pass_forward", "ms_per_pass_head", "ms_per_pass_overhead"]
     quality_keys = [k for k in next(iter(summary.values())) if k in ("exact_match", "valid", "rouge1", "rouge2", "rougeL", "rougeLsum")]
     head = ["method", *columns, *quality_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -259,7 +274,7 @@ def run_benchmark(
 
     meta = read_checkpoint_meta(checkpoint)
     tokenizer = checkpoint_tokenizer(checkpoint)
-    model = load_streamed(checkpoint)
+    model = load_streamed(checkpoint, merge_lora=True)
     rows = held_out_rows(task, data)[:limit]
     base_model = _baseline_model(meta, checkpoint, baseline)
     eos = tokenizer.eos_token_id
@@ -309,5 +324,5 @@ def _baseline_model(meta: dict, checkpoint: str, baseline: str | None):
     if baseline is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, baseline).eval()
+        model = PeftModel.from_pretrained(model, baseline).merge_and_unload().eval()
     return model

@@ -3,7 +3,13 @@
 Streams keep no cache of their own (METHOD §1): their keys and values exist only inside the
 forward pass that made them. The HF attention modules call ``cache.update(k, v, layer_idx)``
 with every query's keys and attend to what it returns, so this cache returns past + all new
-entries (streams included, for this pass) but stores only the first ``main_length`` new ones.
+entries (streams and draft-tree nodes included, for this pass) but counts as stored only the
+first ``main_length`` new ones.
+
+Each layer owns one preallocated buffer that grows by doubling: a decoding step writes its new
+entries after the stored ones and attends to a view, so no step copies the whole cache. Entries
+past the stored length are scratch, overwritten by the next step; `keep` moves an accepted tree
+path into place with one gather of the new entries only.
 """
 
 from __future__ import annotations
@@ -14,41 +20,63 @@ import torch
 class MainStreamCache:
     """Per-layer main-stream keys/values, [B, kv_heads, length, head_dim] each."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, num_layers: int, capacity: int = 256) -> None:
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._length = [0] * num_layers
+        self._capacity = capacity
         # How many of the next update's entries are main positions (None: all of them).
         self.main_length: int | None = None
 
+    @property
+    def keys(self) -> list[torch.Tensor | None]:
+        """The stored keys of each layer (views; None for a layer never updated)."""
+        return [None if k is None else k[..., :n, :] for k, n in zip(self._keys, self._length)]
+
+    @property
+    def values(self) -> list[torch.Tensor | None]:
+        return [None if v is None else v[..., :n, :] for v, n in zip(self._values, self._length)]
+
+    def _reserve(self, layer_idx: int, like: torch.Tensor, needed: int) -> None:
+        buf = self._keys[layer_idx]
+        if buf is not None and buf.shape[-2] >= needed:
+            return
+        size = max(needed, self._capacity if buf is None else 2 * buf.shape[-2])
+        shape = (*like.shape[:-2], size, like.shape[-1])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if buf is not None:
+            n = self._length[layer_idx]
+            keys[..., :n, :] = buf[..., :n, :]
+            values[..., :n, :] = self._values[layer_idx][..., :n, :]
+        self._keys[layer_idx], self._values[layer_idx] = keys, values
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        n = key_states.shape[-2] if self.main_length is None else self.main_length
-        past_k, past_v = self.keys[layer_idx], self.values[layer_idx]
-        keys = key_states[..., :n, :] if past_k is None else torch.cat([past_k, key_states[..., :n, :]], dim=-2)
-        values = value_states[..., :n, :] if past_v is None else torch.cat([past_v, value_states[..., :n, :]], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = keys, values
-        if n == key_states.shape[-2]:
-            return keys, values
-        return (
-            torch.cat([keys, key_states[..., n:, :]], dim=-2),
-            torch.cat([values, value_states[..., n:, :]], dim=-2),
-        )
+        new = key_states.shape[-2]
+        main = new if self.main_length is None else self.main_length
+        past = self._length[layer_idx]
+        self._reserve(layer_idx, key_states, past + new)
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        keys[..., past : past + new, :] = key_states
+        values[..., past : past + new, :] = value_states
+        self._length[layer_idx] = past + main
+        return keys[..., : past + new, :], values[..., : past + new, :]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        k = self.keys[layer_idx]
-        return 0 if k is None else k.shape[-2]
+        return self._length[layer_idx]
 
     def keep(self, prefix_length: int, new_index: torch.Tensor, layers: range | None = None) -> None:
         """Keep the first `prefix_length` entries, then the entries at `new_index` (positions after
         the prefix, e.g. an accepted tree path), contiguous and in that order; in `layers` only
         (default all)."""
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+        for i, (k, v) in enumerate(zip(self._keys, self._values)):
             if k is None or (layers is not None and i not in layers):
                 continue
-            idx = torch.cat([torch.arange(prefix_length, device=k.device), prefix_length + new_index.to(k.device)])
-            self.keys[i], self.values[i] = k.index_select(-2, idx), v.index_select(-2, idx)
+            idx = prefix_length + new_index.to(k.device)
+            m = len(idx)
+            k[..., prefix_length : prefix_length + m, :] = k.index_select(-2, idx)
+            v[..., prefix_length : prefix_length + m, :] = v.index_select(-2, idx)
+            self._length[i] = prefix_length + m
 
     def crop(self, length: int) -> None:
         """Drop every entry at or after `length`."""
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is not None:
-                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+        self._length = [min(n, length) for n in self._length]

@@ -98,6 +98,7 @@ def load_streamed(
     directory: str | Path,
     base_model: nn.Module | str | None = None,
     dtype: torch.dtype = torch.float32,
+    merge_lora: bool = False,
 ) -> StreamedModel:
     """Rebuild a `StreamedModel` from a streamed checkpoint.
 
@@ -106,6 +107,9 @@ def load_streamed(
         base_model: the base causal LM (an instance, or a hub id / path) to attach the streams to;
             default: the one recorded in the checkpoint (or the folder itself when merged).
         dtype: dtype used when the base is loaded here.
+        merge_lora: fold the checkpoint's LoRA adapter into the base weights (for inference: the
+            same outputs up to float rounding, and no adapter matmuls on every call). The model
+            can then no longer be trained or saved as an adapter.
     """
     from .assets import load_base_model
 
@@ -129,6 +133,8 @@ def load_streamed(
     config = StreamConfig.from_dict(meta["stream_config"])
     if meta.get("adapter"):
         base_model = _load_adapter(base_model, folder / meta["adapter"])
+        if merge_lora:
+            base_model = base_model.merge_and_unload()
     model = add_streams(base_model, config)
     load_stream_weights(model, folder / WEIGHTS_FILE)
     return model.eval()

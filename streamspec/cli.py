@@ -10,8 +10,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamspec", description="Speculative Streaming for HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="add streams to the default model and show what they predict")
+    demo = sub.add_parser("demo", help="the main job: streams on the default model, a short fine-tune, the benchmark")
     demo.add_argument("--example", type=int, default=0, help="index of the Spider dev question to show")
+    demo.add_argument("--steps", type=int, default=30, help="fine-tuning steps (batch 4)")
+    demo.add_argument("--limit", type=int, default=8, help="held-out questions to benchmark")
+    demo.add_argument("--out", default="runs/demo", help="folder for the checkpoint and the benchmark files")
+    demo.add_argument("--intro-only", action="store_true", help="only show the streams on the default model")
     sub.add_parser("prepare", help="convert the default model into the cache (done on first use otherwise)")
     train = sub.add_parser("train", help="fine-tune from a YAML recipe")
     train.add_argument("--recipe", required=True, help="a YAML recipe, e.g. recipes/smollm2-135m/sql.yaml")
@@ -48,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        from .demo import run_demo
+        from .demo import introduce, run_demo
 
-        run_demo(args.example)
+        if args.intro_only:
+            introduce(args.example)
+        else:
+            run_demo(steps=args.steps, limit=args.limit, out_dir=args.out, example_index=args.example)
     elif args.command == "train":
         from .recipe import load_recipe
         from .training import run_training

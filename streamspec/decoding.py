@@ -19,7 +19,7 @@ import torch
 from .cache import MainStreamCache
 from .layout import causal, main_allowed
 from .model import StreamedModel
-from .tree import DraftTree, build_tree, greedy_accept, prune_by_transition
+from .tree import DraftTree, build_tree, prune_by_transition
 
 
 class Sampler:
@@ -121,6 +121,10 @@ class GenerateOutput:
         nodes_per_pass: draft-tree nodes before and after pruning, per call after prefill.
         seconds_per_pass: wall time of each call, prefill included.
         lengths: for a batch, the number of real tokens of each row of `tokens`.
+        forward_seconds_per_pass / head_seconds_per_pass: of each call's time, the part in the
+            transformer layers and the part in the LM head and early-exit head (speculative decoding
+            of one sequence; on an accelerator only with ``profile=True``). The rest is
+            `overhead_seconds_per_pass`.
     """
 
     tokens: torch.Tensor
@@ -129,6 +133,15 @@ class GenerateOutput:
     nodes_per_pass: list[tuple[int, int]] = field(default_factory=list)
     seconds_per_pass: list[float] = field(default_factory=list)
     lengths: list[int] | None = None
+    forward_seconds_per_pass: list[float] = field(default_factory=list)
+    head_seconds_per_pass: list[float] = field(default_factory=list)
+
+    @property
+    def overhead_seconds_per_pass(self) -> list[float]:
+        """Per call, the time outside the transformer layers and the LM/early-exit heads: tree
+        building, masks, verification bookkeeping, cache moves (speculative calls only)."""
+        return [max(t - f - h, 0.0) for t, f, h in zip(self.seconds_per_pass, self.forward_seconds_per_pass,
+                                                         self.head_seconds_per_pass)]
 
     @property
     def tokens_per_pass(self) -> float:
@@ -156,6 +169,7 @@ def generate(
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    profile: bool = False,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -172,6 +186,8 @@ def generate(
         prune_threshold: drop draft children whose early-exit transition probability is below it.
         on_tokens: called with each call's accepted tokens as they come (one sequence only), cut
             at max_new_tokens and after EOS like the returned tokens.
+        profile: on an accelerator, wait for the device around each timed part so that the
+            forward / head / overhead split is true (slower; on a CPU the split is always true).
     """
     batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
     if tree_top_k is None:
@@ -197,77 +213,118 @@ def generate(
         )
     stop = _stop_set(eos_token_id)
     device = input_ids.device
+    clock = _Clock(device, profile)
     g = model.stream_config.num_streams
     tree = _tree(tree_top_k, g).to(device)
+    full_children = tree.children()
     lower_layers = range(model.num_lower_layers)
     upper_layers = range(model.num_lower_layers, len(model.layers))
-    cache = MainStreamCache(len(model.layers))
+    cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + tree.size * (g + 1))
     out = GenerateOutput(tokens=input_ids.new_zeros(1, 0), forward_passes=0)
 
     # Prefill: streams at the last prompt position give the root and the first draft.
-    start = time.perf_counter()
+    start = clock()
     length = input_ids.shape[1]
     positions = torch.arange(length, device=device)[None]
     main_ok = main_allowed(causal(length, device), torch.ones(1, length, dtype=torch.bool, device=device))
     last = torch.full((1, 1), length - 1, dtype=torch.long, device=device)
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
-    root = sampler(model.head(main[0, -1]))
-    candidates = model.head(streams[0, 0]).topk(tree_top_k, dim=-1).indices  # [γ, k]
-    generated = [root]
+    forward_done = clock()
+    path, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, tree_top_k)
+    generated = [int(root)]
     if on_tokens is not None:
         on_tokens([int(root)])
-    out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [time.perf_counter() - start]
+    end = clock()
+    out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [end - start]
+    out.forward_seconds_per_pass, out.head_seconds_per_pass = [forward_done - start], [end - forward_done]
     past = length
+    everything = torch.arange(tree.size, device=device)
+    ones = torch.ones(1, length + max_new_tokens + tree.size, dtype=torch.bool, device=device)
+    tree_ok = tree.ancestors[None]
 
     ended = int(root) in stop
     while len(generated) < max_new_tokens and not ended:
-        start = time.perf_counter()
+        start = clock()
+        head_seconds = 0.0
         tokens = tree.tokens(root, candidates)
         positions = (past + tree.depth)[None]
-        lower_ok = main_allowed(tree.ancestors[None], torch.ones(1, past + tree.size, dtype=torch.bool, device=device))
-        lower = model.run_lower(tokens[None], positions, lower_ok, cache)
-        kept = torch.arange(tree.size, device=device)
-        sub = tree
+        lower = model.run_lower(tokens[None], positions, main_allowed(tree_ok, ones[:, : past + tree.size]), cache)
+        kept, sub, children, sub_ok = everything, tree, full_children, tree_ok
         if prune_threshold is not None:
             # Only parents' transition rows are read: no full-vocabulary logits for the leaves.
+            mark = clock()
             early = model.early_exit_head(lower[0, : tree.num_parents]).log_softmax(-1)
             kept = prune_by_transition(tree, tokens, early, prune_threshold)
-            sub = tree.subset(kept.cpu()).to(device)
+            head_seconds += clock() - mark
+            if len(kept) < tree.size:
+                sub = tree.subset(kept.cpu()).to(device)
+                children, sub_ok = sub.children(), sub.ancestors[None]
+                lower, positions = lower[:, kept], positions[:, kept]
         n = sub.size
-        upper_ok = main_allowed(sub.ancestors[None], torch.ones(1, past + n, dtype=torch.bool, device=device))
-        slots = torch.arange(n, device=device)[None]
+        slots = everything[None, :n]
         main, streams = model.run_upper(
-            lower[:, kept], positions[:, kept], upper_ok, slots, torch.ones_like(slots, dtype=torch.bool), cache
+            lower, positions, main_allowed(sub_ok, ones[:, : past + n]), slots, torch.ones_like(slots, dtype=torch.bool),
+            cache,
         )
-        node_logits = model.head(main[0])
-        if sampler.greedy:
-            predictions = node_logits.argmax(-1)
-            deepest = greedy_accept(sub, tokens[kept], predictions)
-            root = predictions[deepest]
-        else:
-            deepest, root = _sample_path(sub, tokens[kept], node_logits, sampler)
-        path = torch.tensor(sub.path_to(deepest), device=device)
-        cache.keep(past, kept[path], lower_layers)
-        cache.keep(past, path, upper_layers)
+        forward_done = clock()
+        node_tokens = tokens[kept]
+        path, root, candidates = _walk(model, main, streams, children, node_tokens.tolist(), sampler, tree_top_k)
+        new = node_tokens[path[1:]].tolist() + [int(root)]
+        head_done = clock()
+        path_index = torch.tensor(path, device=device)
+        cache.keep(past, kept[path_index], lower_layers)
+        cache.keep(past, path_index, upper_layers)
         past += len(path)
-        new = list(tokens[kept][path[1:]]) + [root]
         if on_tokens is not None:
-            on_tokens(_within_limits([int(t) for t in new], len(generated), max_new_tokens, stop))
+            on_tokens(_within_limits(new, len(generated), max_new_tokens, stop))
         generated.extend(new)
-        ended = any(int(t) in stop for t in new)
-        candidates = model.head(streams[0, deepest]).topk(tree_top_k, dim=-1).indices
+        ended = any(t in stop for t in new)
+        end = clock()
         out.forward_passes += 1
         out.accepted_per_pass.append(len(new))
         out.nodes_per_pass.append((tree.size, n))
-        out.seconds_per_pass.append(time.perf_counter() - start)
+        out.seconds_per_pass.append(end - start)
+        out.forward_seconds_per_pass.append(forward_done - start - head_seconds)
+        out.head_seconds_per_pass.append(head_done - forward_done + head_seconds)
 
-    tokens = torch.stack(generated)[:max_new_tokens]
-    hits = [i for i, t in enumerate(tokens.tolist()) if t in stop]
-    if hits:
-        tokens = tokens[: hits[0] + 1]
-    out.tokens = tokens[None]
+    out.tokens = torch.tensor([_within_limits(generated, 0, max_new_tokens, stop)], dtype=input_ids.dtype, device=device)
     return out
+
+
+class _Clock:
+    """perf_counter, after waiting for the device when profiling on an accelerator (there kernels
+    run asynchronously, so unsynchronised times only say when work was queued)."""
+
+    def __init__(self, device: torch.device, profile: bool) -> None:
+        self.sync = profile and device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, children: list[list[int]],
+          node_tokens: list[int], sampler: Sampler, top_k: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Verify the tree from the root down: at each node a token is chosen from the main stream's
+    distribution (argmax under greedy, else a draw); if a child holds it the walk moves there,
+    else that token is the correction and the node is the deepest accepted one.
+
+    The LM head runs only on the nodes of the walk (their main row and γ stream rows in one call),
+    never on the whole tree. Returns the accepted path (node indices from the root), the token
+    chosen at its last node, and the top-k candidates [γ, k] of that node's streams (next draft).
+    """
+    node, path = 0, [0]
+    while True:
+        logits = model.head(torch.cat([main[0, node : node + 1], streams[0, node]], dim=0))  # [1 + γ, V]
+        token = sampler(logits[0])
+        chosen = int(token)
+        child = next((c for c in children[node] if node_tokens[c] == chosen), None)
+        if child is None:
+            return path, token, logits[1:].topk(top_k, dim=-1).indices
+        node = child
+        path.append(node)
 
 
 def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[int]) -> list[int]:
@@ -278,18 +335,6 @@ def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[i
         if token in stop:
             return new[: i + 1]
     return new
-
-
-def _sample_path(tree: DraftTree, tokens: torch.Tensor, logits: torch.Tensor, sampler: Sampler) -> tuple[int, torch.Tensor]:
-    """Walk down from the root: draw a token from the main distribution at the current node; if a
-    child holds it, move there, else stop. Returns the last node and the token drawn there."""
-    node = 0
-    while True:
-        token = sampler(logits[node])
-        children = ((tree.parent == node) & (tokens == token)).nonzero()
-        if len(children) == 0:
-            return node, token
-        node = int(children[0])
 
 
 def _check_generate_args(

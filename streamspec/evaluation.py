@@ -58,7 +58,7 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
         from .checkpoint import load_streamed
         from .decoding import generate, generate_autoregressive
 
-        model = load_streamed(path)
+        model = load_streamed(path, merge_lora=True)
         if kind == "streamed":
             return (lambda ids, n: generate_autoregressive(model, ids, n, tokenizer.eos_token_id)), tokenizer
 
@@ -73,7 +73,7 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
     if kind == "next_token":
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, path).eval()
+        model = PeftModel.from_pretrained(model, path).merge_and_unload().eval()
     elif kind != "base":
         raise ValueError(f"kind must be one of ['base', 'next_token', 'streamed', 'speculative'], got {kind!r}")
 

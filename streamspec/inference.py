@@ -23,7 +23,7 @@ def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out
     """Decode `prompt` with the checkpoint; print the text (as it is accepted with `stream`) and a
     one-line summary. Keyword arguments go to `streamspec.decoding.generate`."""
     tokenizer = checkpoint_tokenizer(checkpoint)
-    model = load_streamed(checkpoint)
+    model = load_streamed(checkpoint, merge_lora=True)
     ids = tokenizer(format_prompt(tokenizer, {"prompt": prompt}), return_tensors="pt", add_special_tokens=False).input_ids
     shown: list[int] = []
     printed = ""

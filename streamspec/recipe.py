@@ -48,6 +48,10 @@ class LoraArgs:
     alpha: int = 64
     dropout: float = 0.05
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # Modules adapted only in the top `top_layers` layers (default: the streams' Ns), e.g. the MLP
+    # projections: capacity where the streams are, without reshaping the lower layers.
+    top_modules: list[str] = field(default_factory=list)
+    top_layers: int | None = None
 
     def __post_init__(self) -> None:
         _positive("lora.r", self.r)
@@ -56,6 +60,26 @@ class LoraArgs:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise ValueError("lora.target_modules must name at least one module")
+        if self.top_layers is not None:
+            _positive("lora.top_layers", self.top_layers)
+        overlap = sorted(set(self.top_modules) & set(self.target_modules))
+        if overlap:
+            raise ValueError(f"lora.top_modules {overlap} are already in lora.target_modules (adapted in every layer)")
+
+    def peft_targets(self, num_layers: int, layers_attr: str, default_top_layers: int | None) -> list[str] | str:
+        """`target_modules` for peft: the plain list, or with `top_modules` a regex (peft matches a
+        string against whole module names) adding those modules in the top layers only."""
+        if not self.top_modules:
+            return list(self.target_modules)
+        top = self.top_layers or default_top_layers
+        if top is None:
+            raise ValueError("lora.top_modules needs lora.top_layers when the recipe has no streams")
+        if top > num_layers:
+            raise ValueError(f"lora.top_layers is {top} but the model has {num_layers} layers")
+        every = "|".join(re.escape(m) for m in self.target_modules)
+        extra = "|".join(re.escape(m) for m in self.top_modules)
+        layers = "|".join(str(i) for i in range(num_layers - top, num_layers))
+        return rf"(.*\.({every}))|(.*\.{re.escape(layers_attr)}\.({layers})\..*\.({extra}))"
 
 
 @dataclass

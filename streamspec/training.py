@@ -24,6 +24,7 @@ import torch
 import yaml
 from transformers import Trainer, TrainingArguments, set_seed
 
+from .arch import arch_spec
 from .assets import load_base_model, load_tokenizer
 from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, load_adapter_weights, load_stream_weights, read_checkpoint_meta
 from .data.aclsum import load_aclsum
@@ -56,7 +57,10 @@ def build_model(recipe: Recipe):
             r=recipe.lora.r,
             lora_alpha=recipe.lora.alpha,
             lora_dropout=recipe.lora.dropout,
-            target_modules=list(recipe.lora.target_modules),
+            target_modules=recipe.lora.peft_targets(
+                base.config.num_hidden_layers, arch_spec(base.config).layers if recipe.lora.top_modules else "",
+                recipe.streams.stream_layers if recipe.streams is not None else None,
+            ),
             task_type="CAUSAL_LM",
         )
     if recipe.streams is None:

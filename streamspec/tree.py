@@ -57,6 +57,14 @@ class DraftTree:
             node = int(self.parent[node])
         return path[::-1]
 
+    def children(self) -> list[list[int]]:
+        """The children of each node, as Python lists (for walking the tree on the host)."""
+        out: list[list[int]] = [[] for _ in range(self.size)]
+        for node, parent in enumerate(self.parent.tolist()):
+            if parent >= 0:
+                out[parent].append(node)
+        return out
+
     def subset(self, keep: torch.Tensor) -> "DraftTree":
         """The tree restricted to the nodes in `keep` (sorted; must be closed under parents)."""
         remap = torch.full((self.size,), -1, dtype=torch.long)

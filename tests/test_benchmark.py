@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -52,3 +53,20 @@ def test_generate_command_streams_the_same_text(tiny_dir, tmp_path):
         body, summary = shown.rsplit("\n[", 1)
         assert body == text and "tokens per pass" in summary
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
+
+
+def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
+    """`make demo`'s job end to end (on a tiny base instead of SmolLM2 to stay quick): fine-tune,
+    export a loadable streamed checkpoint, benchmark, print the table and the plots' paths."""
+    from streamspec import load_streamed
+    from streamspec.demo import run_demo
+
+    summary = run_demo(steps=2, limit=1, out_dir=tmp_path / "demo", model=str(tiny_dir), max_new_tokens=6)
+    shown = capsys.readouterr().out
+    assert set(summary) >= {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree"}
+    assert all(summary[name]["identical_to_autoregressive"] for name in ("chain", "tree"))
+    assert "| method |" in shown and "tokens_per_pass.png" in shown
+    assert (tmp_path / "demo" / "benchmark" / "benchmark.json").is_file()
+    load_streamed(tmp_path / "demo" / "train" / "final")
+    with pytest.raises(ValueError, match="steps and limit"):
+        run_demo(steps=0)

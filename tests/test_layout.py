@@ -332,3 +332,22 @@ def test_cache_keep_skips_empty_layers():
     cache.keep(2, torch.tensor([1]))
     assert cache.keys[1] is None
     assert torch.equal(cache.keys[0], k[..., [0, 1, 3], :])
+
+
+def test_cache_grows_past_its_capacity_and_matches_concatenation():
+    """Many small steps through a tiny preallocated buffer: the stored entries always equal the
+    concatenation of the main parts, and scratch entries of a step never survive it."""
+    cache = MainStreamCache(num_layers=1, capacity=2)
+    reference_k, reference_v = [], []
+    for step in range(12):
+        new, main = 1 + step % 4, 1 + step % 3
+        main = min(main, new)
+        k, v = _kv(new, 10 + step)
+        cache.main_length = main
+        rk, rv = cache.update(k, v, 0)
+        assert torch.equal(rk, torch.cat([*reference_k, k], dim=-2))
+        assert torch.equal(rv, torch.cat([*reference_v, v], dim=-2))
+        reference_k.append(k[..., :main, :])
+        reference_v.append(v[..., :main, :])
+        assert torch.equal(cache.keys[0], torch.cat(reference_k, dim=-2))
+        assert torch.equal(cache.values[0], torch.cat(reference_v, dim=-2))

@@ -87,10 +87,10 @@ def test_shared_mode_training_lowers_loss_on_real_text(tokenizer):
     assert all(p.grad is None for n, p in model.base.named_parameters() if "lora_" not in n)
 
 
-def test_demo_shows_overhead_and_lossless_check(capsys):
-    from streamspec.demo import run_demo
+def test_demo_introduction_shows_overhead_and_lossless_check(capsys):
+    from streamspec.demo import introduce
 
-    numbers = run_demo()
+    numbers = introduce()
     shown = capsys.readouterr().out
     assert numbers["added_parameters"] == 10_944 and "10,944" in shown
     assert numbers["lossless_max_diff"] < 1e-3

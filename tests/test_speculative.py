@@ -111,6 +111,11 @@ def test_trained_streams_accept_long_paths_and_stay_exact(counting_model, k, thr
     assert len(out.nodes_per_pass) == out.forward_passes - 1
     if threshold:
         assert all(after < before for before, after in out.nodes_per_pass[1:]), out.nodes_per_pass
+    # every pass's time splits into layers, heads and the rest
+    n = out.forward_passes
+    assert len(out.forward_seconds_per_pass) == len(out.head_seconds_per_pass) == len(out.overhead_seconds_per_pass) == n
+    for total, forward, head in zip(out.seconds_per_pass, out.forward_seconds_per_pass, out.head_seconds_per_pass):
+        assert 0 < forward and 0 < head and forward + head <= total + 1e-9
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])

@@ -184,3 +184,48 @@ def test_full_fine_tune_checkpoints_carry_the_base_and_reload_strictly(tiny_dir,
         assert torch.equal(param, trained.state_dict()[name]), name
         changed += not torch.equal(param, before[name])
     assert changed > 10, "the reload must replace the freshly initialised weights"
+
+
+def test_top_modules_adapt_the_mlp_of_the_stream_layers_only(tiny_dir, tmp_path):
+    """lora.top_modules puts LoRA on the MLP projections of the top Ns layers only (attention in
+    every layer), for the streamed model and for the next-token baseline alike; the checkpoint
+    round-trips through the regex target."""
+    from streamspec.training import build_model
+
+    overrides = _overrides(tiny_dir, tmp_path / "run", **{
+        "lora.top_modules": "[gate_proj, up_proj, down_proj]", "streams.stream_layers": 2,
+    })
+    model, _ = build_model(load_recipe(RECIPE, overrides))
+    adapted = {name.rsplit(".lora_A", 1)[0].split("layers.")[1] for name, _ in model.named_parameters() if ".lora_A" in name}
+    mlp = {name for name in adapted if ".mlp." in name}
+    assert mlp == {f"{i}.mlp.{m}" for i in (2, 3) for m in ("gate_proj", "up_proj", "down_proj")}
+    assert {name for name in adapted if ".self_attn." in name} == {
+        f"{i}.self_attn.{m}" for i in range(4) for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    next_token = load_recipe(ROOT / "recipes" / "smollm2-135m" / "sql_next_token.yaml", [
+        f"model.name_or_path={tiny_dir}", "lora.top_modules=[gate_proj]", "lora.top_layers=1",
+    ])
+    baseline, _ = build_model(next_token)
+    assert {n.split("layers.")[1].split(".lora_A")[0] for n, _ in baseline.named_parameters()
+            if ".lora_A" in n and ".mlp." in n} == {"3.mlp.gate_proj"}
+
+    summary = run_training(load_recipe(RECIPE, overrides + ["training.max_steps=2"]))
+    reloaded = load_streamed(summary["export"])
+    ids = torch.randint(0, 1000, (1, 12))
+    trained_state = {k: v for k, v in reloaded.state_dict().items() if "lora_" in k}
+    assert any(".mlp." in k for k in trained_state)
+    with torch.no_grad():
+        merged = load_streamed(summary["export"], merge_lora=True)
+        assert not merged.has_lora
+        torch.testing.assert_close(merged(ids).logits, reloaded(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_top_modules_errors():
+    from streamspec.recipe import LoraArgs
+
+    with pytest.raises(ValueError, match="already in lora.target_modules"):
+        LoraArgs(top_modules=["q_proj"])
+    with pytest.raises(ValueError, match="needs lora.top_layers"):
+        LoraArgs(top_modules=["gate_proj"]).peft_targets(4, "layers", None)
+    with pytest.raises(ValueError, match="has 4 layers"):
+        LoraArgs(top_modules=["gate_proj"], top_layers=5).peft_targets(4, "layers", None)
