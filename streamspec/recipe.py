@@ -129,6 +129,9 @@ class TrainingArgs:
     eval_batch_size: int = 4
     gradient_accumulation_steps: int = 1
     learning_rate: float = 5e-4
+    # Learning rate of the stream identifiers P_j (and the low-rank init map); None: learning_rate.
+    # They are few and in units of the hidden state's RMS, so the LoRA rate barely moves them.
+    stream_learning_rate: float | None = None
     lr_scheduler: str = "linear"
     warmup_ratio: float = 0.0
     weight_decay: float = 0.0
@@ -155,6 +158,8 @@ class TrainingArgs:
             raise ValueError(f"training.warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if self.learning_rate <= 0:
             raise ValueError(f"training.learning_rate must be > 0, got {self.learning_rate!r}")
+        if self.stream_learning_rate is not None and self.stream_learning_rate <= 0:
+            raise ValueError(f"training.stream_learning_rate must be > 0 or null, got {self.stream_learning_rate!r}")
         if self.epochs <= 0 and self.max_steps <= 0:
             raise ValueError("training.epochs must be > 0 unless training.max_steps is set")
         _choice("training.report_to", self.report_to, REPORT_TO)

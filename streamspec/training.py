@@ -112,14 +112,31 @@ class StreamTrainer(Trainer):
     """`Trainer` that logs loss parts and tokens/s, validates stream accuracy, and checkpoints in
     the streamed format."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, stream_learning_rate: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.stream_learning_rate = stream_learning_rate
         self._parts: dict[str, float] = {}
         self._parts_batches = 0
         self._tokens = 0
         self._since = time.perf_counter()
 
     # -- training ------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, with the stream identifiers (and low-rank init map) in their
+        own parameter group at `stream_learning_rate` when one is set (no weight decay)."""
+        optimizer = super().create_optimizer(model)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if self.stream_learning_rate is None or not isinstance(unwrapped, StreamedModel):
+            return optimizer
+        chosen = {id(p) for name, p in unwrapped.streams.named_parameters() if not name.startswith("exit_")}
+        moved = []
+        for group in optimizer.param_groups:
+            moved += [p for p in group["params"] if id(p) in chosen]
+            group["params"] = [p for p in group["params"] if id(p) not in chosen]
+        if moved:
+            optimizer.add_param_group({"params": moved, "lr": self.stream_learning_rate, "weight_decay": 0.0})
+        return optimizer
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(**inputs)
         parts = getattr(outputs, "loss_parts", None) or {}
@@ -326,6 +343,7 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
         eval_dataset=validation_set,
         data_collator=PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
+        stream_learning_rate=recipe.training.stream_learning_rate,
     )
     checkpoint = None
     if resume:

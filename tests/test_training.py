@@ -229,3 +229,27 @@ def test_top_modules_errors():
         LoraArgs(top_modules=["gate_proj"]).peft_targets(4, "layers", None)
     with pytest.raises(ValueError, match="has 4 layers"):
         LoraArgs(top_modules=["gate_proj"], top_layers=5).peft_targets(4, "layers", None)
+
+
+def test_stream_learning_rate_gets_its_own_group_and_follows_the_schedule(tiny_dir, tmp_path):
+    from streamspec.training import StreamTrainer, build_model, training_arguments
+
+    recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "run", **{"training.stream_learning_rate": 0.02}))
+    model, _ = build_model(recipe)
+    args = training_arguments(recipe)
+    args.eval_strategy = "no"
+    trainer = StreamTrainer(model=model, args=args, stream_learning_rate=0.02)
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    groups = trainer.optimizer.param_groups
+    stream_group = [g for g in groups if any(p is model.streams.stream_embeddings for p in g["params"])]
+    assert len(stream_group) == 1 and stream_group[0]["initial_lr"] == 0.02
+    assert stream_group[0]["params"] == [model.streams.stream_embeddings]
+    assert all(p is not model.streams.exit_up.weight for p in stream_group[0]["params"])
+    trained = {id(p) for g in groups for p in g["params"]}
+    assert trained == {id(p) for p in model.parameters() if p.requires_grad}  # nothing lost, nothing twice
+    assert sum(len(g["params"]) for g in groups) == len(trained)
+    trainer.lr_scheduler.step()
+    others = [g for g in groups if g is not stream_group[0] and g["params"]]
+    assert stream_group[0]["lr"] / others[0]["lr"] == pytest.approx(0.02 / recipe.training.learning_rate)
+    with pytest.raises(ValueError, match="stream_learning_rate"):
+        load_recipe(RECIPE, ["training.stream_learning_rate=0"])
