@@ -77,6 +77,10 @@ def generate_autoregressive(
 ) -> torch.Tensor:
     """One token per pass (greedy unless a `Sampler` is given). `input_ids` is [1, T]; returns
     the new tokens [1, n] (stopping after an EOS token, which is included)."""
+    return _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler).tokens
+
+
+def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, profile: bool = False) -> "GenerateOutput":
     if not isinstance(model, StreamedModel):
         raise TypeError(f"generate_autoregressive needs a StreamedModel, got {type(model).__name__}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
@@ -86,24 +90,36 @@ def generate_autoregressive(
     choose = sampler or Sampler(device=input_ids.device)
     stop = _stop_set(eos_token_id)
     device = input_ids.device
-    cache = MainStreamCache(len(model.layers))
+    clock = _Clock(device, profile)
+    cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens)
     one_slot = torch.zeros(1, 1, dtype=torch.long, device=device)  # streams at the last new position
     valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+    ones = torch.ones(1, input_ids.shape[1] + max_new_tokens, dtype=torch.bool, device=device)
+    out = GenerateOutput(tokens=input_ids.new_zeros(1, 0), forward_passes=0)
     tokens, generated = input_ids, []
     past = 0
     for _ in range(max_new_tokens):
+        start = clock()
         n = tokens.shape[1]
         positions = torch.arange(past, past + n, device=device)[None]
-        main_ok = main_allowed(causal(n, device), torch.ones(1, past + n, dtype=torch.bool, device=device))
+        main_ok = main_allowed(causal(n, device), ones[:, : past + n])
         lower = model.run_lower(tokens, positions, main_ok, cache)
         main, _ = model.run_upper(lower, positions, main_ok, one_slot + (n - 1), valid, cache)
+        forward_done = clock()
         token = choose(model.head(main[0, -1])).view(1, 1)
-        generated.append(token)
+        generated.append(int(token))
+        end = clock()
+        out.seconds_per_pass.append(end - start)
+        out.forward_seconds_per_pass.append(forward_done - start)
+        out.head_seconds_per_pass.append(end - forward_done)
         past += n
         tokens = token
         if int(token) in stop:
             break
-    return torch.cat(generated, dim=1)
+    out.tokens = torch.tensor([generated], dtype=input_ids.dtype, device=device)
+    out.forward_passes = len(generated)
+    out.accepted_per_pass = [1] * len(generated)
+    return out
 
 
 def _stop_set(eos_token_id) -> set[int]:
@@ -123,8 +139,8 @@ class GenerateOutput:
         lengths: for a batch, the number of real tokens of each row of `tokens`.
         forward_seconds_per_pass / head_seconds_per_pass: of each call's time, the part in the
             transformer layers and the part in the LM head and early-exit head (speculative decoding
-            of one sequence; on an accelerator only with ``profile=True``). The rest is
-            `overhead_seconds_per_pass`.
+            of one sequence, or one token per pass; on an accelerator only with ``profile=True``).
+            The rest is `overhead_seconds_per_pass`.
     """
 
     tokens: torch.Tensor
@@ -139,7 +155,7 @@ class GenerateOutput:
     @property
     def overhead_seconds_per_pass(self) -> list[float]:
         """Per call, the time outside the transformer layers and the LM/early-exit heads: tree
-        building, masks, verification bookkeeping, cache moves (speculative calls only)."""
+        building, masks, verification bookkeeping, cache moves."""
         return [max(t - f - h, 0.0) for t, f, h in zip(self.seconds_per_pass, self.forward_seconds_per_pass,
                                                          self.head_seconds_per_pass)]
 
@@ -202,15 +218,10 @@ def generate(
     if attention_mask is not None and not attention_mask.bool().all():
         input_ids = input_ids[:, attention_mask[0].bool()]  # one sequence: drop its padding
     if not speculative:
-        start = time.perf_counter()
-        tokens = generate_autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler)
-        n = tokens.shape[1]
+        out = _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, profile)
         if on_tokens is not None:
-            on_tokens(tokens[0].tolist())
-        return GenerateOutput(
-            tokens=tokens, forward_passes=n, accepted_per_pass=[1] * n,
-            seconds_per_pass=[(time.perf_counter() - start) / n] * n,
-        )
+            on_tokens(out.tokens[0].tolist())
+        return out
     stop = _stop_set(eos_token_id)
     device = input_ids.device
     clock = _Clock(device, profile)

@@ -219,3 +219,5 @@ def test_autoregressive_statistics(counting_model):
     out = generate(counting_model, prompt, 9, speculative=False)
     assert out.forward_passes == 9 and out.accepted_per_pass == [1] * 9 and out.nodes_per_pass == []
     assert len(out.seconds_per_pass) == 9 and out.tokens_per_pass == 1.0 and out.lengths is None
+    for total, forward, head in zip(out.seconds_per_pass, out.forward_seconds_per_pass, out.head_seconds_per_pass):
+        assert 0 < forward and 0 < head and forward + head <= total + 1e-9
