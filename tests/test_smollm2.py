@@ -62,7 +62,10 @@ def test_lossless_equals_base_on_real_text(base, tokenizer):
         p.requires_grad_(True)
 
 
-def test_shared_mode_training_lowers_loss_on_real_text(tokenizer):
+@pytest.fixture(scope="module")
+def trained(tokenizer):
+    """SmolLM2 with shared-mode streams and LoRA after 6 steps on two Spider examples, and the
+    losses of every step."""
     torch.manual_seed(0)
     ids, mask, labels = _batch(tokenizer, [0, 7])
     model = add_streams(load_default_model(), StreamConfig(mode="shared"))  # own copy: LoRA mutates it
@@ -77,6 +80,11 @@ def test_shared_mode_training_lowers_loss_on_real_text(tokenizer):
         out.loss.backward()
         optimizer.step()
         history.append({"loss": out.loss.item(), **{k: v.item() for k, v in out.loss_parts.items()}})
+    return model.eval(), history
+
+
+def test_shared_mode_training_lowers_loss_on_real_text(trained):
+    model, history = trained
     first, last = history[0], history[-1]
     assert last["loss"] < 0.8 * first["loss"], history
     for part in ("stream_1", "stream_2", "stream_3", "early_exit"):
@@ -85,6 +93,30 @@ def test_shared_mode_training_lowers_loss_on_real_text(tokenizer):
     assert model.streams.stream_embeddings.grad is not None
     assert any("lora_" in n and p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters())
     assert all(p.grad is None for n, p in model.base.named_parameters() if "lora_" not in n)
+
+
+def test_trained_checkpoint_decodes_exactly(trained, tokenizer, tmp_path):
+    """The fine-tuned SmolLM2, saved and reloaded with its LoRA merged: speculative decoding with
+    a chain, a tree and a pruned tree gives exactly its one-token-per-pass output on held-out
+    Spider questions; sampling with a seed is reproducible."""
+    from streamspec import load_streamed
+    from streamspec.data.build import format_prompt
+    from streamspec.decoding import generate
+
+    model, _ = trained
+    model.save_pretrained(tmp_path / "ckpt")
+    merged = load_streamed(tmp_path / "ckpt", merge_lora=True)
+    rows = load_spider("test")
+    for row in (rows[0], rows[100]):
+        ids = tokenizer(format_prompt(tokenizer, row), return_tensors="pt", add_special_tokens=False).input_ids
+        reference = generate(merged, ids, 20, speculative=False).tokens
+        with torch.no_grad():  # merging LoRA keeps the model's greedy choices on this text
+            assert torch.equal(reference, generate(model, ids, 20, speculative=False).tokens)
+        for kwargs in (dict(tree_top_k=1), dict(tree_top_k=3), dict(tree_top_k=3, prune_threshold=0.05)):
+            out = generate(merged, ids, 20, **kwargs)
+            assert torch.equal(out.tokens, reference), kwargs
+        first = generate(merged, ids, 12, temperature=0.8, top_p=0.95, seed=3).tokens
+        assert torch.equal(first, generate(merged, ids, 12, temperature=0.8, top_p=0.95, seed=3).tokens)
 
 
 def test_demo_introduction_shows_overhead_and_lossless_check(capsys):
