@@ -70,3 +70,14 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     load_streamed(tmp_path / "demo" / "train" / "final")
     with pytest.raises(ValueError, match="steps and limit"):
         run_demo(steps=0)
+
+
+def test_eval_entry_point_is_the_eval_command():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "eval" / "benchmark.py"
+    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
+    for option in ("--checkpoint", "--task", "--baseline", "--sweep", "--data"):
+        assert option in shown
