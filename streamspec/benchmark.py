@@ -11,7 +11,9 @@ Methods:
 
 Each method reports tokens/s, walltime speedup over the baseline, CRR (generated tokens ÷ forward
 passes), mean tokens per pass, acceptance by depth, whether its outputs equal the streamed
-model's autoregressive outputs, and quality (SQL exact match and validity, or ROUGE).
+model's autoregressive outputs, and quality (SQL exact match and validity, or ROUGE). For
+streamspec's decoders it also splits the time: the prefill call per prompt, then per decoding
+step the transformer layers, the LM / early-exit heads and the rest (tree, masks, cache moves).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class MethodResult:
     tokens: int = 0
     passes: int = 0
     accepted: list[int] = field(default_factory=list)  # tokens per pass, after prefill
-    # seconds in the transformer layers, in the LM / early-exit heads, and outside both (streamspec only)
+    # streamspec only: seconds of the prefill calls, and of the decoding steps after them split
+    # into the transformer layers, the LM / early-exit heads, and the rest
     split: dict[str, float] = field(default_factory=dict)
+    prompts: int = 0
 
     def summary(self, baseline_tps: float | None) -> dict:
         tps = self.tokens / self.seconds if self.seconds else 0.0
@@ -48,8 +52,10 @@ class MethodResult:
         for n in self.accepted:
             depth[n] = depth.get(n, 0) + 1
         timing = {}
-        if self.split and self.passes:
-            timing = {f"ms_per_pass_{k}": round(1000 * v / self.passes, 2) for k, v in self.split.items()}
+        steps = self.passes - self.prompts
+        if self.split and steps > 0:
+            timing = {"ms_prefill": round(1000 * self.split["prefill"] / self.prompts, 1)}
+            timing.update({f"ms_per_step_{k}": round(1000 * self.split[k] / steps, 2) for k in ("forward", "head", "overhead")})
         return {
             **timing,
             "tokens_per_second": round(tps, 2),
@@ -102,9 +108,9 @@ def streaming_method(model, eos_token_id, **kwargs) -> Callable:
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
         out = generate(model, ids, max_new_tokens, eos_token_id=eos_token_id, **kwargs)
         split = {}
-        if out.forward_seconds_per_pass:
-            split = {"forward": sum(out.forward_seconds_per_pass), "head": sum(out.head_seconds_per_pass),
-                     "overhead": sum(out.overhead_seconds_per_pass)}
+        if out.forward_seconds_per_pass:  # the first call is the prefill
+            split = {"prefill": out.seconds_per_pass[0], "forward": sum(out.forward_seconds_per_pass[1:]),
+                     "head": sum(out.head_seconds_per_pass[1:]), "overhead": sum(out.overhead_seconds_per_pass[1:])}
         return out.tokens[0].tolist(), out.forward_passes, out.accepted_per_pass[1:], split
 
     return run
@@ -119,6 +125,7 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
             start = time.perf_counter()
             new, passes, accepted, split = method(ids, max_new_tokens)
             r = results[name]
+            r.prompts += 1
             for part, seconds in split.items():
                 r.split[part] = r.split.get(part, 0.0) + seconds
             r.seconds += time.perf_counter() - start
@@ -167,7 +174,7 @@ def report(task: str, rows: list[dict], results: dict[str, MethodResult], refere
 def markdown_table(summary: dict) -> str:
     """One row per method: speed, CRR, exactness, quality, and where each pass's time goes."""
     columns = ["tokens_per_second", "speedup", "crr", "mean_tokens_per_pass", "identical_to_autoregressive", "ms_per_pass",
-               "ms_per_pass_forward", "ms_per_pass_head", "ms_per_pass_overhead"]
+               "ms_prefill", "ms_per_step_forward", "ms_per_step_head", "ms_per_step_overhead"]
     quality_keys = [k for k in next(iter(summary.values())) if k in ("exact_match", "valid", "rouge1", "rouge2", "rougeL", "rougeLsum")]
     head = ["method", *columns, *quality_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -211,6 +218,7 @@ def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = N
             axes[0].plot([k for k, _ in points], [p["speedup"] for _, p in points], marker="o", label=label)
             axes[1].plot([k for k, _ in points], [p["crr"] for _, p in points], marker="o", label=label)
         for ax, title in zip(axes, ("walltime speedup", "CRR")):
+            ax.set_xticks(sorted({p["tree_top_k"] for p in sweep}))
             ax.set_xlabel("tree_top_k")
             ax.set_title(title)
             ax.legend()

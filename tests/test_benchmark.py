@@ -27,6 +27,9 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         assert summary[name]["identical_to_autoregressive"], name
         assert summary[name]["crr"] >= 1.0
         assert {"exact_match", "valid"} <= set(summary[name])
+        # where the time goes: prefill, then per decoding step the layers, the heads, the rest
+        assert summary[name]["ms_prefill"] > 0 and summary[name]["ms_per_step_forward"] > 0
+        assert summary[name]["ms_per_step_head"] > 0 and summary[name]["ms_per_step_overhead"] >= 0
     assert "identical_to_autoregressive" not in summary["baseline"]
     assert summary["tree_pruned"]["prune_threshold"] in (0.0, 0.05)
     report = json.loads((tmp_path / "report" / "benchmark.json").read_text())
