@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = run_training(load_recipe(args.recipe, args.overrides), resume=args.resume)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"trained {summary['steps']} steps in {summary['wall_seconds']} s; streamed checkpoint: {summary.get('export')}")
+            print(f"trained {summary['steps']} steps in {summary['wall_seconds']} s; exported to {summary.get('export')}")
     elif args.command == "export":
         from .checkpoint import export_checkpoint
 

@@ -242,7 +242,7 @@ def generate(
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
     forward_done = clock()
-    path, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, tree_top_k)
+    _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, tree_top_k)
     generated = [int(root)]
     if on_tokens is not None:
         on_tokens([int(root)])
