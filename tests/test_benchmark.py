@@ -75,12 +75,16 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
         run_demo(steps=0)
 
 
-def test_eval_entry_point_is_the_eval_command():
+@pytest.mark.parametrize("name, options", [
+    ("benchmark.py", ("--checkpoint", "--task", "--baseline", "--sweep", "--data")),
+    ("decode_crr.py", ("--checkpoint", "--task", "--limit", "--tree-top-k")),
+])
+def test_eval_entry_points_parse_their_options(name, options):
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "eval" / "benchmark.py"
+    script = Path(__file__).resolve().parents[1] / "eval" / name
     shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
-    for option in ("--checkpoint", "--task", "--baseline", "--sweep", "--data"):
+    for option in options:
         assert option in shown
