@@ -14,6 +14,7 @@ import time
 import torch
 
 from .cache import MainStreamCache
+from .decoding import _within_limits
 from .layout import causal, main_allowed, position_ids_from_mask
 
 
@@ -76,11 +77,11 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
         out.nodes_per_pass.append((batch * n, batch * n))
         out.seconds_per_pass.append(time.perf_counter() - start)
 
-    results = []
-    for b in range(batch):
-        tokens = torch.stack(generated[b])[:max_new_tokens]
-        hits = [i for i, t in enumerate(tokens.tolist()) if t in stop]
-        results.append(tokens[: hits[0] + 1] if hits else tokens)
+    results = [
+        torch.tensor(_within_limits([int(t) for t in generated[b]], 0, max_new_tokens, stop), dtype=input_ids.dtype,
+                     device=device)
+        for b in range(batch)
+    ]
     out.lengths = [len(r) for r in results]
     width = max(out.lengths)
     fill = min(stop) if stop else 0

@@ -251,6 +251,7 @@ def generate(
     out.forward_seconds_per_pass, out.head_seconds_per_pass = [forward_done - start], [end - forward_done]
     past = length
     everything = torch.arange(tree.size, device=device)
+    every_slot_valid = torch.ones(1, tree.size, dtype=torch.bool, device=device)
     ones = torch.ones(1, length + max_new_tokens + tree.size, dtype=torch.bool, device=device)
     tree_ok = tree.ancestors[None]
 
@@ -275,8 +276,7 @@ def generate(
         n = sub.size
         slots = everything[None, :n]
         main, streams = model.run_upper(
-            lower, positions, main_allowed(sub_ok, ones[:, : past + n]), slots, torch.ones_like(slots, dtype=torch.bool),
-            cache,
+            lower, positions, main_allowed(sub_ok, ones[:, : past + n]), slots, every_slot_valid[:, :n], cache
         )
         forward_done = clock()
         node_tokens = tokens[kept]

@@ -112,22 +112,6 @@ def build_tree(top_k: int, depth: int) -> DraftTree:
     )
 
 
-def greedy_accept(tree: DraftTree, tokens: torch.Tensor, predictions: torch.Tensor) -> int:
-    """The deepest node reachable from the root through children whose token equals the main
-    prediction at their parent (greedy verification). Returns its node index."""
-    accepted = torch.zeros(tree.size, dtype=torch.bool, device=tokens.device)
-    accepted[0] = True
-    parent = tree.parent.clamp(min=0)
-    for d in range(1, tree.depth_limit + 1):
-        level = tree.depth == d
-        ok = accepted[parent] & (tokens == predictions[parent]) & level
-        if not ok.any():
-            break
-        accepted |= ok
-    deepest = torch.where(accepted, tree.depth, -1)
-    return int(deepest.argmax())
-
-
 def prune_by_transition(tree: DraftTree, tokens: torch.Tensor, early_log_probs: torch.Tensor, threshold: float) -> torch.Tensor:
     """Nodes kept after dropping every child whose early-exit transition probability from its
     parent, softmax(z̃_parent)[child token], is below `threshold`, with its subtree.

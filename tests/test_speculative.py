@@ -9,7 +9,7 @@ import torch
 from conftest import ARCHS, make_model, random_ids
 from streamspec import StreamConfig, add_streams
 from streamspec.decoding import generate, generate_autoregressive
-from streamspec.tree import build_tree, greedy_accept, prune_by_transition
+from streamspec.tree import build_tree, prune_by_transition
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -31,15 +31,15 @@ def test_tree_shape(k, depth):
         assert len(set(ranks.tolist())) == len(ranks)
 
 
-def test_tree_tokens_and_greedy_accept():
+def test_tree_tokens_and_children():
     tree = build_tree(2, 2)  # nodes: 0; 1,2 (depth 1); 3,4 (under 1), 5,6 (under 2)
     candidates = torch.tensor([[10, 11], [20, 21]])
     tokens = tree.tokens(torch.tensor(5), candidates)
     assert tokens.tolist() == [5, 10, 11, 20, 21, 20, 21]
-    predictions = torch.tensor([11, 0, 21, 0, 0, 0, 0])  # root predicts 11 -> node 2; node 2 predicts 21 -> node 6
-    assert greedy_accept(tree, tokens, predictions) == 6
-    assert greedy_accept(tree, tokens, torch.tensor([99, 0, 0, 0, 0, 0, 0])) == 0
-    assert greedy_accept(tree, tokens, torch.tensor([10, 99, 0, 0, 0, 0, 0])) == 1
+    # the verification walk moves from a node to the child holding the chosen token
+    assert tree.children() == [[1, 2], [3, 4], [5, 6], [], [], [], []]
+    sub = tree.subset(torch.tensor([0, 2, 5, 6]))
+    assert sub.children() == [[1], [2, 3], [], []] and sub.num_parents == 2
 
 
 def test_pruning_drops_subtrees_below_threshold():
