@@ -4,6 +4,10 @@ greedy), in one process: what `streamspec eval` runs.
 Methods:
 - ``baseline``: transformers `generate` on the model users would run today (the next-token LoRA
   fine-tune given as ``baseline``, or the unpatched base for a lossless checkpoint): speedup 1.0;
+- ``baseline_default_kernels``: the same, with torch's default CPU linear kernels, when the others
+  run with streamspec's packed oneDNN kernels (`streamspec.kernels`, on by default on a CPU): every
+  other method uses the same kernels as ``baseline``, so their speedups are the decoding method's
+  own, and this row shows what the kernels alone give;
 - ``prompt_lookup``: transformers prompt-lookup decoding on that same model;
 - ``streamed_ar``: the streamed model, one token per pass (speculative=False);
 - ``chain``, ``tree``, ``tree_pruned``: speculative streaming with tree_top_k 1, k, and k with the
@@ -164,8 +168,10 @@ def report(task: str, rows: list[dict], results: dict[str, MethodResult], refere
     out = {}
     for name, r in results.items():
         entry = r.summary(base_tps)
-        if reference in results and name not in ("baseline", "prompt_lookup"):
+        if reference in results and name != "prompt_lookup" and not name.startswith("baseline"):
             entry["identical_to_autoregressive"] = r.token_ids == results[reference].token_ids
+        if name == "baseline_default_kernels" and base is not None:
+            entry["identical_to_baseline"] = r.token_ids == base.token_ids
         entry.update(quality(task, rows, r.texts))
         out[name] = entry
     return out
@@ -175,6 +181,8 @@ def markdown_table(summary: dict) -> str:
     """One row per method: speed, CRR, exactness, quality, and where each pass's time goes."""
     columns = ["tokens_per_second", "speedup", "crr", "mean_tokens_per_pass", "identical_to_autoregressive", "ms_per_pass",
                "ms_prefill", "ms_per_step_forward", "ms_per_step_head", "ms_per_step_overhead"]
+    if any("identical_to_baseline" in entry for entry in summary.values()):
+        columns.insert(5, "identical_to_baseline")
     quality_keys = [k for k in next(iter(summary.values())) if k in ("exact_match", "valid", "rouge1", "rouge2", "rougeL", "rougeLsum")]
     head = ["method", *columns, *quality_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -267,6 +275,7 @@ def run_benchmark(
     sweep_top_k: tuple[int, ...] = (),
     max_new_tokens: int = 128,
     out_dir: str | None = None,
+    cpu_kernels: bool = True,
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -276,6 +285,8 @@ def run_benchmark(
             unpatched base model (the right baseline for a lossless checkpoint).
         limit / validation_limit: how many test / validation prompts (fixed order).
         sweep_top_k: also measure speedup and CRR for these tree_top_k, with and without pruning.
+        cpu_kernels: on a CPU, run every model's fp32 linear layers through packed oneDNN kernels
+            (`streamspec.kernels.pack_linear_layers`) and add the ``baseline_default_kernels`` row.
     """
     from .checkpoint import load_streamed, read_checkpoint_meta
     from .inference import checkpoint_tokenizer
@@ -286,6 +297,7 @@ def run_benchmark(
     rows = held_out_rows(task, data)[:limit]
     base_model = _baseline_model(meta, checkpoint, baseline)
     eos = tokenizer.eos_token_id
+    packed = cpu_kernels and _pack_for_cpu(model, base_model)
 
     threshold = None
     if data is None and thresholds:
@@ -293,6 +305,8 @@ def run_benchmark(
         threshold = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds), max_new_tokens)
     methods = {
         "baseline": hf_method("baseline", base_model, eos),
+        **({"baseline_default_kernels": with_default_kernels(hf_method("baseline", base_model, eos), base_model)}
+           if packed else {}),
         "prompt_lookup": hf_method("prompt_lookup", base_model, eos, prompt_lookup_num_tokens=10),
         "streamed_ar": streaming_method(model, eos, speculative=False),
         "chain": streaming_method(model, eos, tree_top_k=1),
@@ -326,6 +340,33 @@ def run_benchmark(
         print(markdown_table(summary))
         print("plots: " + ", ".join(v for k, v in summary_paths.items() if v.endswith(".png")))
     return summary
+
+
+def _pack_for_cpu(*models) -> bool:
+    """Pack the models' fp32 CPU linear layers for oneDNN (see `streamspec.kernels`); False when
+    there is nothing to pack (another device or dtype) or no oneDNN in this torch build."""
+    from .kernels import cpu_kernels_available, pack_linear_layers
+
+    if not cpu_kernels_available():
+        return False
+    for m in models:
+        p = next(m.parameters())
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            return False
+    for m in models:
+        pack_linear_layers(m)
+    return True
+
+
+def with_default_kernels(method: Callable, model) -> Callable:
+    """`method` run with torch's default linear kernels in `model` (see `streamspec.kernels`)."""
+    from .kernels import default_linear_kernels
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        with default_linear_kernels(model):
+            return method(ids, max_new_tokens)
+
+    return run
 
 
 def _baseline_model(meta: dict, checkpoint: str, baseline: str | None):

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    gen.add_argument("--default-kernels", action="store_true",
+                     help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
     ev = sub.add_parser("eval", help="benchmark decoding methods side by side (speed and quality)")
     ev.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
     ev.add_argument("--task", choices=["sql", "summarize"], default="sql")
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--sweep", type=int, nargs="*", default=[], help="tree_top_k values for the speedup/CRR plot")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--out", default="runs/benchmark", help="folder for JSON, Markdown and PNG plots")
+    ev.add_argument("--default-kernels", action="store_true",
+                    help="run every method with torch's default CPU linear kernels (default: packed oneDNN kernels "
+                         "for all, plus a baseline row with the default ones)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold,
             seed=args.seed, speculative=not args.no_speculative, stream=args.stream,
+            cpu_kernels=not args.default_kernels,
         )
     elif args.command == "eval":
         from .benchmark import run_benchmark
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), max_new_tokens=args.max_new_tokens,
-            out_dir=args.out,
+            out_dir=args.out, cpu_kernels=not args.default_kernels,
         )
     elif args.command == "prepare":
         from .assets import default_model_path

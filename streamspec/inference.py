@@ -19,11 +19,19 @@ def checkpoint_tokenizer(checkpoint: str | Path):
     return load_tokenizer(str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"])
 
 
-def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out=sys.stdout, **kwargs) -> str:
+def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out=sys.stdout, cpu_kernels: bool = True,
+                  **kwargs) -> str:
     """Decode `prompt` with the checkpoint; print the text (as it is accepted with `stream`) and a
-    one-line summary. Keyword arguments go to `streamspec.decoding.generate`."""
+    one-line summary. With `cpu_kernels`, an fp32 model on a CPU runs its linear layers through
+    packed oneDNN kernels (`streamspec.kernels`). Other keyword arguments go to
+    `streamspec.decoding.generate`."""
     tokenizer = checkpoint_tokenizer(checkpoint)
     model = load_streamed(checkpoint, merge_lora=True)
+    if cpu_kernels:
+        from .kernels import cpu_kernels_available, pack_linear_layers
+
+        if cpu_kernels_available():
+            pack_linear_layers(model)
     ids = tokenizer(format_prompt(tokenizer, {"prompt": prompt}), return_tensors="pt", add_special_tokens=False).input_ids
     shown: list[int] = []
     printed = ""

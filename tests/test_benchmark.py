@@ -21,8 +21,12 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         str(tmp_path / "ckpt"), task="sql", limit=2, validation_limit=1, thresholds=(0.0, 0.05),
         sweep_top_k=(1, 2), max_new_tokens=6, out_dir=str(tmp_path / "report"),
     )
-    assert set(summary) == {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree", "tree_pruned"}
+    assert set(summary) == {"baseline", "baseline_default_kernels", "prompt_lookup", "streamed_ar", "chain", "tree",
+                            "tree_pruned"}
     assert summary["baseline"]["speedup"] == 1.0
+    # the same baseline with torch's default kernels, its outputs compared with the packed one's
+    assert isinstance(summary["baseline_default_kernels"]["identical_to_baseline"], bool)
+    assert "identical_to_autoregressive" not in summary["baseline_default_kernels"]
     for name in ("streamed_ar", "chain", "tree", "tree_pruned"):
         assert summary[name]["identical_to_autoregressive"], name
         assert summary[name]["crr"] >= 1.0
@@ -37,6 +41,8 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     for name in ("benchmark.md", "tokens_per_pass.png", "speedup_vs_tree_top_k.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     assert markdown_table(summary).count("\n") == len(summary) + 1
+    plain = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=1, thresholds=(), max_new_tokens=4, cpu_kernels=False)
+    assert set(plain) == {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree"}
 
 
 def test_generate_command_streams_the_same_text(tiny_dir, tmp_path):

@@ -1,0 +1,119 @@
+"""Packed oneDNN linear kernels (`streamspec.kernels`): same results as `nn.Linear`, training
+untouched, stale packs refreshed, decoding still exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from streamspec import StreamConfig, add_streams
+from streamspec.decoding import generate, generate_autoregressive
+from streamspec.kernels import (
+    PackedLinear,
+    cpu_kernels_available,
+    default_linear_kernels,
+    pack_linear_layers,
+    unpack_linear_layers,
+)
+
+from conftest import make_model, random_ids
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="this torch build has no oneDNN")
+
+
+def _ran_packed_kernel(fn) -> bool:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return any("_linear_pointwise" in event.key for event in prof.key_averages())
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48), (0, 48)])
+def test_packed_linear_matches_nn_linear(shape):
+    layer = nn.Linear(48, 96)
+    reference_layer = nn.Linear(48, 96)
+    reference_layer.load_state_dict(layer.state_dict())
+    assert pack_linear_layers(layer) == 1 and type(layer) is PackedLinear
+    x = torch.randn(shape)
+    with torch.no_grad():
+        assert _ran_packed_kernel(lambda: layer(x))
+        torch.testing.assert_close(layer(x), reference_layer(x), rtol=1e-5, atol=1e-5)
+        # a non-contiguous input
+        xt = torch.randn(shape[::-1]).transpose(0, -1) if len(shape) == 2 else x
+        torch.testing.assert_close(layer(xt), reference_layer(xt), rtol=1e-5, atol=1e-5)
+
+
+def test_training_path_is_untouched():
+    """With autograd recording, packed layers run F.linear: same gradients as nn.Linear."""
+    torch.manual_seed(0)
+    layer, reference = nn.Linear(16, 8), nn.Linear(16, 8)
+    reference.load_state_dict(layer.state_dict())
+    pack_linear_layers(layer)
+    x = torch.randn(4, 16)
+    assert not _ran_packed_kernel(lambda: layer(x).sum().backward())
+    reference(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=0, atol=0)
+
+
+def test_changed_weights_are_packed_again():
+    layer = nn.Linear(16, 8)
+    pack_linear_layers(layer)
+    x = torch.randn(3, 16)
+
+    def expected():
+        return x @ layer.weight.t() + layer.bias
+
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected(), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(2)  # in place: the version counter moves
+        torch.testing.assert_close(layer(x), expected(), rtol=1e-5, atol=1e-5)
+        layer.load_state_dict(nn.Linear(16, 8).state_dict())
+        torch.testing.assert_close(layer(x), expected(), rtol=1e-5, atol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(8, 16))  # a new tensor
+        torch.testing.assert_close(layer(x), expected(), rtol=1e-5, atol=1e-5)
+        layer.weight.data.mul_(3)  # through .data: not seen until packed again
+        assert not torch.allclose(layer(x), expected())
+        pack_linear_layers(layer)
+        torch.testing.assert_close(layer(x), expected(), rtol=1e-5, atol=1e-5)
+
+
+def test_unpack_and_default_kernels_restore_nn_linear():
+    model = make_model("llama")
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    keys = set(model.state_dict())
+    assert pack_linear_layers(model) == len(names) > 0
+    assert set(model.state_dict()) == keys  # nothing saved changes
+    x = random_ids(1, 6, 0)
+    with torch.no_grad():
+        with default_linear_kernels(model):
+            assert all(type(m) is not PackedLinear for m in model.modules())
+            assert not _ran_packed_kernel(lambda: model(x))
+        assert _ran_packed_kernel(lambda: model(x))
+    assert unpack_linear_layers(model) == len(names)
+    assert all(type(m) is nn.Linear for n, m in model.named_modules() if n in names)
+    assert not any("_streamspec_packed" in m.__dict__ for m in model.modules())
+
+
+def test_other_dtypes_are_left_alone():
+    model = make_model("llama").to(torch.bfloat16)
+    assert pack_linear_layers(model) == 0
+    assert not any(type(m) is PackedLinear for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_decoding_with_packed_kernels_is_exact(arch):
+    """Speculative decoding with packed kernels reproduces one-token-per-pass decoding with
+    them, and the logits stay within fp32 rounding of the default kernels."""
+    for seed in range(2):
+        model = add_streams(make_model(arch, seed), StreamConfig(stream_layers=2)).eval()
+        prompt = random_ids(1, 4 + seed, seed)
+        with torch.no_grad():
+            default_logits = model(prompt).logits
+        pack_linear_layers(model)
+        with torch.no_grad():
+            torch.testing.assert_close(model(prompt).logits, default_logits, rtol=1e-4, atol=1e-5)
+        reference = generate_autoregressive(model, prompt, 16)
+        for k, threshold in [(1, None), (3, None), (2, 0.01)]:
+            assert torch.equal(generate(model, prompt, 16, tree_top_k=k, prune_threshold=threshold).tokens, reference)
