@@ -255,7 +255,7 @@ def held_out_rows(task: str, data: str | None = None, split: str = "test") -> li
     raise ValueError(f"task must be 'sql' or 'summarize' (or give data=FILE), got {task!r}")
 
 
-def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k: int, thresholds: list[float], max_new_tokens: int) -> float:
+def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k, thresholds: list[float], max_new_tokens: int) -> float:
     """The pruning threshold with the best tokens/s on validation prompts (never the test ones)."""
     methods = {f"{t}": streaming_method(model, tokenizer.eos_token_id, tree_top_k=tree_top_k, prune_threshold=t)
                for t in thresholds}
@@ -270,7 +270,7 @@ def run_benchmark(
     baseline: str | None = None,
     limit: int | None = 50,
     validation_limit: int = 10,
-    tree_top_k: int = 3,
+    tree_top_k: int | tuple[int, ...] = 3,
     thresholds: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2),
     sweep_top_k: tuple[int, ...] = (),
     max_new_tokens: int = 128,
@@ -316,6 +316,7 @@ def run_benchmark(
         methods["tree_pruned"] = streaming_method(model, eos, tree_top_k=tree_top_k, prune_threshold=threshold)
     results = run_methods(methods, tokenizer, rows, max_new_tokens)
     summary = report(task, rows, results)
+    summary["tree"]["tree_top_k"] = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     if threshold is not None:
         summary["tree_pruned"]["prune_threshold"] = threshold
 

@@ -7,6 +7,15 @@ import os
 import sys
 
 
+def tree_arg(text: str) -> int | tuple[int, ...]:
+    """``3`` (three candidates at every depth) or ``3,1,1`` (per depth) for --tree-top-k."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints such as 3,1,1; got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamspec", description="Speculative Streaming for HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--tree-top-k", type=int, default=3)
+    gen.add_argument("--tree-top-k", type=tree_arg, default=3, help="candidates per stream, or per depth: 3,1,1")
     gen.add_argument("--prune-threshold", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
@@ -47,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--data", help="a JSONL file with prompt and completion fields, instead of --task's test set")
     ev.add_argument("--baseline", help="peft adapter folder of the next-token fine-tune (default: the base model)")
     ev.add_argument("--limit", type=int, default=50, help="test prompts (fixed order)")
-    ev.add_argument("--tree-top-k", type=int, default=3)
+    ev.add_argument("--tree-top-k", type=tree_arg, default=3, help="the tree: candidates per stream, or per depth: 3,1,1")
     ev.add_argument("--sweep", type=int, nargs="*", default=[], help="tree_top_k values for the speedup/CRR plot")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--out", default="runs/benchmark", help="folder for JSON, Markdown and PNG plots")

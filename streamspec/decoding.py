@@ -19,7 +19,7 @@ import torch
 from .cache import MainStreamCache
 from .layout import causal, main_allowed
 from .model import StreamedModel
-from .tree import DraftTree, build_tree, prune_by_transition
+from .tree import DraftTree, build_tree, prune_by_transition, tree_shape
 
 
 class Sampler:
@@ -165,8 +165,8 @@ class GenerateOutput:
 
 
 @lru_cache(maxsize=16)
-def _tree(top_k: int, depth: int) -> DraftTree:
-    return build_tree(top_k, depth)
+def _tree(shape: tuple[int, ...]) -> DraftTree:
+    return build_tree(shape, len(shape))
 
 
 @torch.no_grad()
@@ -178,7 +178,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int | None = None,
-    tree_top_k: int | None = None,
+    tree_top_k: int | tuple[int, ...] | None = None,
     prune_threshold: float | None = None,
     eos_token_id: int | list[int] | None = None,
     speculative: bool = True,
@@ -197,8 +197,10 @@ def generate(
     (lossless); the drafts only decide how many draws one call can check.
 
     Args:
-        tree_top_k: candidates per stream; default 3 for one sequence. A batch (B > 1, padded
-            through `attention_mask`) uses the single best path per sequence (tree_top_k 1).
+        tree_top_k: candidates per stream; default 3 for one sequence. A tuple gives them depth by
+            depth, e.g. (3, 1, 1): three candidates for the next token, one below each (at most γ
+            depths; see `streamspec.tree`). A batch (B > 1, padded through `attention_mask`) uses
+            the single best path per sequence (tree_top_k 1).
         prune_threshold: drop draft children whose early-exit transition probability is below it.
         on_tokens: called with each call's accepted tokens as they come (one sequence only), cut
             at max_new_tokens and after EOS like the returned tokens.
@@ -226,7 +228,9 @@ def generate(
     device = input_ids.device
     clock = _Clock(device, profile)
     g = model.stream_config.num_streams
-    tree = _tree(tree_top_k, g).to(device)
+    shape = tree_shape(tree_top_k, g)
+    tree = _tree(shape).to(device)
+    width = max(shape)
     full_children = tree.children()
     lower_layers = range(model.num_lower_layers)
     upper_layers = range(model.num_lower_layers, len(model.layers))
@@ -242,7 +246,7 @@ def generate(
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
     forward_done = clock()
-    _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, tree_top_k)
+    _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, width)
     generated = [int(root)]
     if on_tokens is not None:
         on_tokens([int(root)])
@@ -280,7 +284,7 @@ def generate(
         )
         forward_done = clock()
         node_tokens = tokens[kept]
-        path, root, candidates = _walk(model, main, streams, children, node_tokens.tolist(), sampler, tree_top_k)
+        path, root, candidates = _walk(model, main, streams, children, node_tokens.tolist(), sampler, width)
         new = node_tokens[path[1:]].tolist() + [int(root)]
         head_done = clock()
         path_index = torch.tensor(path, device=device)
@@ -373,7 +377,6 @@ def _check_generate_args(
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if tree_top_k < 1:
-        raise ValueError(f"tree_top_k must be >= 1, got {tree_top_k}")
+    tree_shape(tree_top_k, model.stream_config.num_streams)  # raises on a bad shape
     if prune_threshold is not None and not 0 <= prune_threshold < 1:
         raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")

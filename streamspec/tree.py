@@ -1,9 +1,11 @@
-"""Draft trees as pure tensors, built once per (tree_top_k, γ).
+"""Draft trees as pure tensors, built once per shape.
 
 The streams of one position give, for each depth d = 1..γ, the top-k candidates for the token
 d steps after the root. Every candidate of depth d is a child of every candidate of depth d−1, so
-the tree holds 1 + k + k² + … + k^γ nodes (40 for k = 3, γ = 3). Nodes are numbered breadth first
-(the root is node 0), so a parent always comes before its children.
+the tree holds 1 + k + k² + … + k^γ nodes (40 for k = 3, γ = 3). A shape may also give k depth by
+depth, (k1, k2, …): 1 + k1 + k1·k2 + … nodes, e.g. (3, 1, 1) keeps three candidates for the next
+token and one below each (10 nodes). Nodes are numbered breadth first (the root is node 0), so a
+parent always comes before its children.
 
 A node attends to the cached prefix and to its ancestors (itself included); its position id is
 prefix length + depth.
@@ -28,7 +30,7 @@ class DraftTree:
         ancestors: [N, N] bool, ``ancestors[i, j]`` when j is i or an ancestor of i.
     """
 
-    top_k: int
+    top_k: tuple[int, ...]  # candidates at each depth 1..depth_limit
     depth_limit: int
     parent: torch.Tensor
     depth: torch.Tensor
@@ -86,15 +88,32 @@ class DraftTree:
         )
 
 
-def build_tree(top_k: int, depth: int) -> DraftTree:
-    """The full tree: every rank path of length 0..depth over `top_k` candidates per depth."""
-    if top_k < 1:
-        raise ValueError(f"tree_top_k must be >= 1, got {top_k}")
+def tree_shape(top_k: int | tuple[int, ...] | list[int], depth: int) -> tuple[int, ...]:
+    """Candidates per depth: an int k means k at each of the `depth` depths; a sequence gives
+    them depth by depth, and its length (1..depth) is the tree's depth."""
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, tuple, list)):
+        raise ValueError(f"tree_top_k must be an int or a sequence of ints, got {top_k!r}")
+    if isinstance(top_k, int):
+        if top_k < 1:
+            raise ValueError(f"tree_top_k must be >= 1, got {top_k}")
+        return (top_k,) * depth
+    shape = tuple(top_k)
+    if not 1 <= len(shape) <= depth or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in shape):
+        raise ValueError(
+            f"tree_top_k as a sequence needs 1 to {depth} (the number of streams) ints >= 1, one per depth; got {top_k!r}"
+        )
+    return shape
+
+
+def build_tree(top_k: int | tuple[int, ...], depth: int) -> DraftTree:
+    """The full tree of a shape: every rank path over the candidates of each depth (see
+    `tree_shape`; an int k is k candidates at each of `depth` depths)."""
     if depth < 0:
         raise ValueError(f"tree depth must be >= 0, got {depth}")
+    shape = tree_shape(top_k, depth)
     paths: list[tuple[int, ...]] = [()]
-    for d in range(1, depth + 1):
-        paths.extend(itertools.product(range(top_k), repeat=d))
+    for d in range(1, len(shape) + 1):
+        paths.extend(itertools.product(*(range(k) for k in shape[:d])))
     number = {path: i for i, path in enumerate(paths)}
     parent = torch.tensor([number[p[:-1]] if p else -1 for p in paths])
     n = len(paths)
@@ -103,8 +122,8 @@ def build_tree(top_k: int, depth: int) -> DraftTree:
         for d in range(len(path) + 1):
             ancestors[i, number[path[:d]]] = True
     return DraftTree(
-        top_k=top_k,
-        depth_limit=depth,
+        top_k=shape,
+        depth_limit=len(shape),
         parent=parent,
         depth=torch.tensor([len(p) for p in paths]),
         rank=torch.tensor([p[-1] if p else 0 for p in paths]),
