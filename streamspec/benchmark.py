@@ -10,8 +10,9 @@ Methods:
   own, and this row shows what the kernels alone give;
 - ``prompt_lookup``: transformers prompt-lookup decoding on that same model;
 - ``streamed_ar``: the streamed model, one token per pass (speculative=False);
-- ``chain``, ``tree``, ``tree_pruned``: speculative streaming with tree_top_k 1, k, and k with the
-  pruning threshold chosen on validation prompts.
+- ``chain``, ``tree``, ``tree_pruned``: speculative streaming with tree_top_k 1, the given tree (or
+  with ``"auto"`` the fastest shape on validation prompts), and that tree with the pruning
+  threshold chosen on validation prompts.
 
 Each method reports tokens/s, walltime speedup over the baseline, CRR (generated tokens ÷ forward
 passes), mean tokens per pass, acceptance by depth, whether its outputs equal the streamed
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 from .data.build import format_prompt
 from .decoding import generate
 from .evaluation import sql_exact_match, sql_is_valid
+from .tree import tree_shape
 
 
 @dataclass
@@ -255,12 +257,31 @@ def held_out_rows(task: str, data: str | None = None, split: str = "test") -> li
     raise ValueError(f"task must be 'sql' or 'summarize' (or give data=FILE), got {task!r}")
 
 
+# Shapes `tree_top_k="auto"` tries on validation prompts: wide at the next token, where the streams
+# are surest, narrow below (see docs/benchmarks.md), and the paper's full trees.
+TREE_CANDIDATES = (1, (2, 1, 1), (3, 1, 1), (4, 1, 1), (3, 2, 1), 2, 3)
+
+
+def _fastest(results: dict[str, MethodResult]) -> str:
+    return max(results.values(), key=lambda r: r.tokens / max(r.seconds, 1e-9)).name
+
+
+def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int) -> int | tuple[int, ...]:
+    """The tree shape with the best tokens/s on validation prompts (never the test ones), among
+    the candidates that fit the model's number of streams."""
+    g = model.stream_config.num_streams
+    shapes = {str(c): c for c in candidates if isinstance(c, int) or len(c) <= g}
+    if not shapes:
+        raise ValueError(f"none of the tree shapes {candidates} fits a model with {g} streams")
+    methods = {name: streaming_method(model, tokenizer.eos_token_id, tree_top_k=shape) for name, shape in shapes.items()}
+    return shapes[_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))]
+
+
 def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k, thresholds: list[float], max_new_tokens: int) -> float:
     """The pruning threshold with the best tokens/s on validation prompts (never the test ones)."""
     methods = {f"{t}": streaming_method(model, tokenizer.eos_token_id, tree_top_k=tree_top_k, prune_threshold=t)
                for t in thresholds}
-    results = run_methods(methods, tokenizer, rows, max_new_tokens)
-    return float(max(results.values(), key=lambda r: r.tokens / max(r.seconds, 1e-9)).name)
+    return float(_fastest(run_methods(methods, tokenizer, rows, max_new_tokens)))
 
 
 def run_benchmark(
@@ -270,7 +291,7 @@ def run_benchmark(
     baseline: str | None = None,
     limit: int | None = 50,
     validation_limit: int = 10,
-    tree_top_k: int | tuple[int, ...] = 3,
+    tree_top_k: int | tuple[int, ...] | str = 3,
     thresholds: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2),
     sweep_top_k: tuple[int, ...] = (),
     max_new_tokens: int = 128,
@@ -284,6 +305,8 @@ def run_benchmark(
         baseline: a peft adapter folder of the next-token fine-tune on the same base; default the
             unpatched base model (the right baseline for a lossless checkpoint).
         limit / validation_limit: how many test / validation prompts (fixed order).
+        tree_top_k: the ``tree`` method's shape (see `streamspec.decoding.generate`), or ``"auto"``:
+            the fastest of `TREE_CANDIDATES` on the validation prompts.
         sweep_top_k: also measure speedup and CRR for these tree_top_k, with and without pruning.
         cpu_kernels: on a CPU, run every model's fp32 linear layers through packed oneDNN kernels
             (`streamspec.kernels.pack_linear_layers`) and add the ``baseline_default_kernels`` row.
@@ -291,17 +314,24 @@ def run_benchmark(
     from .checkpoint import load_streamed, read_checkpoint_meta
     from .inference import checkpoint_tokenizer
 
+    auto_tree = tree_top_k == "auto"
+    if auto_tree and data is not None:
+        raise ValueError("tree_top_k='auto' chooses on the task's validation split; with data=FILE give a shape")
     meta = read_checkpoint_meta(checkpoint)
     tokenizer = checkpoint_tokenizer(checkpoint)
     model = load_streamed(checkpoint, merge_lora=True)
+    if not auto_tree:
+        tree_shape(tree_top_k, model.stream_config.num_streams)  # a bad shape fails before any decoding
     rows = held_out_rows(task, data)[:limit]
     base_model = _baseline_model(meta, checkpoint, baseline)
     eos = tokenizer.eos_token_id
     packed = cpu_kernels and _pack_for_cpu(model, base_model)
 
     threshold = None
-    if data is None and thresholds:
-        validation = held_out_rows(task, split="validation")[:validation_limit]
+    validation = None if data is not None else held_out_rows(task, split="validation")[:validation_limit]
+    if auto_tree:
+        tree_top_k = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
+    if validation is not None and thresholds:
         threshold = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds), max_new_tokens)
     methods = {
         "baseline": hf_method("baseline", base_model, eos),
@@ -317,6 +347,7 @@ def run_benchmark(
     results = run_methods(methods, tokenizer, rows, max_new_tokens)
     summary = report(task, rows, results)
     summary["tree"]["tree_top_k"] = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
+    summary["tree"]["tree_chosen_on_validation"] = auto_tree
     if threshold is not None:
         summary["tree_pruned"]["prune_threshold"] = threshold
 

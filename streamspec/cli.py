@@ -16,6 +16,11 @@ def tree_arg(text: str) -> int | tuple[int, ...]:
     return values[0] if len(values) == 1 else values
 
 
+def tree_or_auto_arg(text: str) -> int | tuple[int, ...] | str:
+    """`tree_arg`, or ``auto`` (the benchmark picks the fastest shape on validation prompts)."""
+    return text if text == "auto" else tree_arg(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamspec", description="Speculative Streaming for HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--data", help="a JSONL file with prompt and completion fields, instead of --task's test set")
     ev.add_argument("--baseline", help="peft adapter folder of the next-token fine-tune (default: the base model)")
     ev.add_argument("--limit", type=int, default=50, help="test prompts (fixed order)")
-    ev.add_argument("--tree-top-k", type=tree_arg, default=3, help="the tree: candidates per stream, or per depth: 3,1,1")
+    ev.add_argument("--tree-top-k", type=tree_or_auto_arg, default=3,
+                    help="the tree: candidates per stream, or per depth (3,1,1), or auto (the fastest on validation)")
     ev.add_argument("--sweep", type=int, nargs="*", default=[], help="tree_top_k values for the speedup/CRR plot")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--out", default="runs/benchmark", help="folder for JSON, Markdown and PNG plots")

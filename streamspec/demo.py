@@ -105,7 +105,7 @@ def run_demo(
     print(f"\n[2/2] benchmark on {limit} held-out Spider questions (batch 1, greedy; baseline: transformers "
           "generate on the base model, since the demo trains no next-token baseline) ...")
     result = run_benchmark(summary["export"], task="sql", limit=limit, validation_limit=max(2, limit // 2),
-                           max_new_tokens=max_new_tokens, out_dir=str(out / "benchmark"))
+                           tree_top_k="auto", max_new_tokens=max_new_tokens, out_dir=str(out / "benchmark"))
     print(f"\nA {steps}-step fine-tune barely trains the streams. docs/benchmarks.md has the figures of the full "
           "recipe (streamspec train --recipe recipes/smollm2-135m/sql.yaml) and what limits them on a CPU.")
     return result

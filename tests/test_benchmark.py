@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamspec import StreamConfig, add_streams
-from streamspec.benchmark import markdown_table, run_benchmark
+from streamspec.benchmark import TREE_CANDIDATES, markdown_table, run_benchmark
 
 
 def test_benchmark_reports_every_method(tiny_dir, tmp_path):
@@ -41,8 +41,17 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     for name in ("benchmark.md", "tokens_per_pass.png", "speedup_vs_tree_top_k.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     assert markdown_table(summary).count("\n") == len(summary) + 1
-    plain = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=1, thresholds=(), max_new_tokens=4, cpu_kernels=False)
+    assert summary["tree"]["tree_top_k"] == 3 and not summary["tree"]["tree_chosen_on_validation"]
+    plain = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=1, validation_limit=1, thresholds=(), max_new_tokens=4,
+                          cpu_kernels=False, tree_top_k="auto")
     assert set(plain) == {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree"}
+    assert plain["tree"]["tree_chosen_on_validation"]
+    chosen = plain["tree"]["tree_top_k"]
+    assert (chosen if isinstance(chosen, int) else tuple(chosen)) in TREE_CANDIDATES
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "How many singers?", "completion": "SELECT count(*) FROM singer"}) + "\n")
+    with pytest.raises(ValueError, match="auto"):
+        run_benchmark(str(tmp_path / "ckpt"), data=str(data), limit=1, tree_top_k="auto")
 
 
 def test_generate_command_streams_the_same_text(tiny_dir, tmp_path):
