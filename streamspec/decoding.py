@@ -77,16 +77,12 @@ def generate_autoregressive(
 ) -> torch.Tensor:
     """One token per pass (greedy unless a `Sampler` is given). `input_ids` is [1, T]; returns
     the new tokens [1, n] (stopping after an EOS token, which is included)."""
+    _check_generate_args(model, input_ids, max_new_tokens, 1, None, None, speculative=False)
     return _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler).tokens
 
 
 def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, profile: bool = False) -> "GenerateOutput":
-    if not isinstance(model, StreamedModel):
-        raise TypeError(f"generate_autoregressive needs a StreamedModel, got {type(model).__name__}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [1, T] tensor, got shape {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    """One token per pass; the arguments were checked by the caller (`_check_generate_args`)."""
     choose = sampler or Sampler(device=input_ids.device)
     stop = _stop_set(eos_token_id)
     device = input_ids.device

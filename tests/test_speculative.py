@@ -190,6 +190,13 @@ def test_bad_arguments_are_refused():
             generate(model, **kwargs)
     with pytest.raises(TypeError, match="StreamedModel"):
         generate(make_model("llama"), prompt, 4)
+    # the one-token-per-pass reference checks its arguments the same way
+    with pytest.raises(TypeError, match="StreamedModel"):
+        generate_autoregressive(make_model("llama"), prompt, 4)
+    with pytest.raises(ValueError, match="one sequence"):
+        generate_autoregressive(model, random_ids(2, 4, 0), 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_autoregressive(model, prompt, 0)
 
 
 # -- batches ----------------------------------------------------------------------------------
