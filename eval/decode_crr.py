@@ -16,7 +16,7 @@ from streamspec.benchmark import held_out_rows, report, run_methods, streaming_m
 from streamspec.checkpoint import load_streamed
 from streamspec.cli import tree_arg
 from streamspec.inference import checkpoint_tokenizer
-from streamspec.kernels import cpu_kernels_available, pack_linear_layers
+from streamspec.kernels import pack_if_available
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,8 +31,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     tokenizer = checkpoint_tokenizer(args.checkpoint)
     model = load_streamed(args.checkpoint, merge_lora=True)
-    if not args.default_kernels and cpu_kernels_available():
-        pack_linear_layers(model)
+    if not args.default_kernels:
+        pack_if_available(model)
     rows = held_out_rows(args.task, split=args.split)[: args.limit]
     eos = tokenizer.eos_token_id
     methods = {"streamed_ar": streaming_method(model, eos, speculative=False)}

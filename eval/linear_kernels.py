@@ -38,7 +38,6 @@ def main() -> None:
     pack_linear_layers(model)
     layers = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in name]
     head = model.get_output_embeddings()
-    results = []
     for rows in args.rows:
         inputs = {width: torch.randn(rows, width) for width in {layer.in_features for layer in layers}}
 
@@ -55,7 +54,6 @@ def main() -> None:
             entry["layers_packed_ms"] = round(_median_ms(body, args.repeats), 1)
             entry["head_packed_ms"] = round(_median_ms(lambda: head(x), args.repeats), 1)
         print(json.dumps(entry), flush=True)
-        results.append(entry)
     print(f"{len(layers)} linear layers + LM head, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from .cache import MainStreamCache
-from .decoding import _tree, _walk, _within_limits
+from .decoding import _tree, _within_limits, accept_path
 from .layout import causal, main_allowed, position_ids_from_mask
 
 
@@ -37,16 +37,9 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     last = (torch.arange(length, device=device) * key_real).argmax(dim=1, keepdim=True)  # last real position
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
-    # The same verification walk as one sequence's, on a chain (one candidate per stream): the LM
-    # head runs only on the walked nodes' main rows and the last one's stream rows.
+    roots = torch.stack([sampler(logits) for logits in model.head(main[torch.arange(batch), last[:, 0]])])
+    drafts = model.head(streams[:, 0]).argmax(-1)  # [B, γ]
     chain_children = _tree((1,) * g).children()
-    roots, drafts = [], []
-    for b in range(batch):
-        at = int(last[b, 0])
-        _, root, candidates = _walk(model, main[b : b + 1, at : at + 1], streams[b : b + 1], [[]], [0], sampler, 1)
-        roots.append(root)
-        drafts.append(candidates[:, 0])
-    roots, drafts = torch.stack(roots), torch.stack(drafts)  # [B], [B, γ]
     generated = [[root] for root in roots.clone().unbind()]  # a copy: `roots` is updated in place below
     lengths = key_real.sum(dim=1)  # the next position id of each row
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [batch], [time.perf_counter() - start]
@@ -66,11 +59,15 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
         slots = torch.arange(n, device=device).expand(batch, n)
         lower = model.run_lower(chain, positions, ok, cache)
         main, streams = model.run_upper(lower, positions, ok, slots, torch.ones_like(slots, dtype=torch.bool), cache)
+        # Every row's main logits in one LM-head call, the same walk as one sequence's on each
+        # chain, then one call on the stream rows of each row's deepest accepted node.
+        logits = model.head(main)  # [B, 1+γ, V]
         accepted_total = 0
+        depths = []
         for b in range(batch):
-            path, token, candidates = _walk(model, main[b : b + 1], streams[b : b + 1], chain_children, chain[b].tolist(),
-                                            sampler, 1)
+            path, token = accept_path(chain_children, chain[b].tolist(), lambda node: sampler(logits[b, node]))
             depth = len(path) - 1
+            depths.append(depth)
             if not finished(b):
                 new = list(chain[b, 1 : depth + 1]) + [token]
                 generated[b].extend(new)
@@ -80,7 +77,7 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
             key_real[b, key_real.shape[1] - n + depth + 1 :] = False  # rejected drafts leave the cache for good
             lengths[b] += depth + 1
             roots[b] = token
-            drafts[b] = candidates[:, 0]
+        drafts = model.head(streams[torch.arange(batch), torch.tensor(depths, device=device)]).argmax(-1)
         out.forward_passes += 1
         out.accepted_per_pass.append(accepted_total)
         out.nodes_per_pass.append((batch * n, batch * n))

@@ -123,8 +123,14 @@ def streaming_method(model, eos_token_id, **kwargs) -> Callable:
 
 
 def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_new_tokens: int) -> dict[str, MethodResult]:
-    """Every method on every prompt, methods interleaved per prompt so machine noise hits all alike."""
+    """Every method on every prompt, methods interleaved per prompt so machine noise hits all alike.
+    Each method first decodes a few tokens of the first prompt, untimed, so that no method pays
+    for first-call costs (allocations, kernel set-up) that another does not."""
     results = {name: MethodResult(name) for name in methods}
+    if rows:
+        ids = tokenizer(format_prompt(tokenizer, rows[0]), return_tensors="pt", add_special_tokens=False).input_ids
+        for method in methods.values():
+            method(ids, 4)
     for row in tqdm(rows, desc="benchmark", unit="prompt"):
         ids = tokenizer(format_prompt(tokenizer, row), return_tensors="pt", add_special_tokens=False).input_ids
         for name, method in methods.items():
@@ -315,6 +321,10 @@ def run_benchmark(
     from .inference import checkpoint_tokenizer
 
     auto_tree = tree_top_k == "auto"
+    if isinstance(tree_top_k, list):
+        tree_top_k = tuple(tree_top_k)
+    if (auto_tree or thresholds) and data is None and validation_limit < 1:
+        raise ValueError(f"validation_limit must be >= 1 to choose a tree or threshold on validation, got {validation_limit}")
     if auto_tree and data is not None:
         raise ValueError("tree_top_k='auto' chooses on the task's validation split; with data=FILE give a shape")
     meta = read_checkpoint_meta(checkpoint)
@@ -328,7 +338,9 @@ def run_benchmark(
     packed = cpu_kernels and _pack_for_cpu(model, base_model)
 
     threshold = None
-    validation = None if data is not None else held_out_rows(task, split="validation")[:validation_limit]
+    validation = None
+    if data is None and (auto_tree or thresholds):
+        validation = held_out_rows(task, split="validation")[:validation_limit]
     if auto_tree:
         tree_top_k = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
     if validation is not None and thresholds:
@@ -375,8 +387,8 @@ def run_benchmark(
 
 
 def _pack_for_cpu(*models) -> bool:
-    """Pack the models' fp32 CPU linear layers for oneDNN (see `streamspec.kernels`); False when
-    there is nothing to pack (another device or dtype) or no oneDNN in this torch build."""
+    """Pack all the models' fp32 CPU linear layers for oneDNN (see `streamspec.kernels`), or none:
+    False when one is on another device or in another dtype, or this torch has no oneDNN."""
     from .kernels import cpu_kernels_available, pack_linear_layers
 
     if not cpu_kernels_available():

@@ -77,7 +77,8 @@ def generate_autoregressive(
 ) -> torch.Tensor:
     """One token per pass (greedy unless a `Sampler` is given). `input_ids` is [1, T]; returns
     the new tokens [1, n] (stopping after an EOS token, which is included)."""
-    _check_generate_args(model, input_ids, max_new_tokens, 1, None, None, speculative=False)
+    _check_generate_args(model, input_ids, max_new_tokens, 1, None, None, speculative=False,
+                         caller="generate_autoregressive")
     return _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler).tokens
 
 
@@ -242,7 +243,7 @@ def generate(
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
     forward_done = clock()
-    _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, width)
+    _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, width, tree.depth_limit)
     generated = [int(root)]
     if on_tokens is not None:
         on_tokens([int(root)])
@@ -280,7 +281,8 @@ def generate(
         )
         forward_done = clock()
         node_tokens = tokens[kept]
-        path, root, candidates = _walk(model, main, streams, children, node_tokens.tolist(), sampler, width)
+        path, root, candidates = _walk(model, main, streams, children, node_tokens.tolist(), sampler, width,
+                                       tree.depth_limit)
         new = node_tokens[path[1:]].tolist() + [int(root)]
         head_done = clock()
         path_index = torch.tensor(path, device=device)
@@ -316,26 +318,38 @@ class _Clock:
         return time.perf_counter()
 
 
-def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, children: list[list[int]],
-          node_tokens: list[int], sampler: Sampler, top_k: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Verify the tree from the root down: at each node a token is chosen from the main stream's
-    distribution (argmax under greedy, else a draw); if a child holds it the walk moves there,
-    else that token is the correction and the node is the deepest accepted one.
-
-    The LM head runs only on the nodes of the walk (their main row and γ stream rows in one call),
-    never on the whole tree. Returns the accepted path (node indices from the root), the token
-    chosen at its last node, and the top-k candidates [γ, k] of that node's streams (next draft).
-    """
+def accept_path(children: list[list[int]], node_tokens: list[int], choose_at: Callable[[int], torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """Verify a draft from the root down: at each node `choose_at(node)` gives the token chosen
+    from the main stream's distribution there (argmax under greedy, else a draw); if a child
+    holds it the walk moves there, else that token is the correction and the node is the deepest
+    accepted one. Returns the accepted path (node indices from the root) and that token."""
     node, path = 0, [0]
     while True:
-        logits = model.head(torch.cat([main[0, node : node + 1], streams[0, node]], dim=0))  # [1 + γ, V]
-        token = sampler(logits[0])
+        token = choose_at(node)
         chosen = int(token)
         child = next((c for c in children[node] if node_tokens[c] == chosen), None)
         if child is None:
-            return path, token, logits[1:].topk(top_k, dim=-1).indices
+            return path, token
         node = child
         path.append(node)
+
+
+def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, children: list[list[int]],
+          node_tokens: list[int], sampler: Sampler, top_k: int, depth: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """`accept_path` on one sequence's tree. The LM head runs only on the nodes of the walk, each
+    call on a node's main row and its first `depth` stream rows (those the next draft reads; on a
+    CPU with packed kernels as cheap as the main row alone), never on the whole tree. Returns the
+    path, the token chosen at its last node, and the top-k candidates [depth, k] of that node's
+    streams (the next draft)."""
+    last: dict[str, torch.Tensor] = {}
+
+    def choose_at(node: int) -> torch.Tensor:
+        logits = model.head(torch.cat([main[0, node : node + 1], streams[0, node, :depth]], dim=0))  # [1 + depth, V]
+        last["streams"] = logits[1:]
+        return sampler(logits[0])
+
+    path, token = accept_path(children, node_tokens, choose_at)
+    return path, token, last["streams"].topk(top_k, dim=-1).indices
 
 
 def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[int]) -> list[int]:
@@ -349,16 +363,19 @@ def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[i
 
 
 def _check_generate_args(
-    model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative
+    model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative, caller="generate"
 ) -> None:
     if not isinstance(model, StreamedModel):
-        raise TypeError(f"generate needs a StreamedModel (see add_streams), got {type(model).__name__}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError("input_ids must be a non-empty [batch, length] tensor")
+        raise TypeError(f"{caller} needs a StreamedModel (see add_streams), got {type(model).__name__}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got {shape}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+    g = model.stream_config.num_streams
     if input_ids.shape[0] > 1:
-        if tree_top_k != 1 or prune_threshold is not None:
+        chain = tree_top_k == 1 or (isinstance(tree_top_k, (tuple, list)) and tuple(tree_top_k) == (1,) * g)
+        if not chain or prune_threshold is not None:
             raise ValueError(
                 "a batch decodes the single best path per sequence: tree_top_k must be 1 (or unset) and "
                 "prune_threshold None"
@@ -366,13 +383,13 @@ def _check_generate_args(
         if not speculative:
             raise ValueError("speculative=False decodes one sequence at a time; pass a batch of 1")
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and input_ids.shape[1] + max_new_tokens + model.stream_config.num_streams > limit:
+    if limit is not None and input_ids.shape[1] + max_new_tokens + g > limit:
         raise ValueError(
-            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + draft depth exceeds the "
-            f"model's context of {limit} positions"
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + the {g} stream positions "
+            f"after the last token exceed the model's context of {limit} positions"
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tree_shape(tree_top_k, model.stream_config.num_streams)  # raises on a bad shape
+    tree_shape(tree_top_k, g)  # raises on a bad shape
     if prune_threshold is not None and not 0 <= prune_threshold < 1:
         raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")

@@ -28,10 +28,9 @@ def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out
     tokenizer = checkpoint_tokenizer(checkpoint)
     model = load_streamed(checkpoint, merge_lora=True)
     if cpu_kernels:
-        from .kernels import cpu_kernels_available, pack_linear_layers
+        from .kernels import pack_if_available
 
-        if cpu_kernels_available():
-            pack_linear_layers(model)
+        pack_if_available(model)
     ids = tokenizer(format_prompt(tokenizer, {"prompt": prompt}), return_tensors="pt", add_special_tokens=False).input_ids
     shown: list[int] = []
     printed = ""

@@ -19,8 +19,9 @@ speculative decoding is built for. `pack_linear_layers(model)` switches every fp
 with) to oneDNN's inner product with a weight packed once into oneDNN's blocked layout. The
 packed copy costs the linear weights' memory a second time. Results equal `nn.Linear`'s up to
 fp32 rounding (the summation order differs). Only inference uses them: with autograd recording
-and a weight that wants gradients, the layer runs `F.linear` as before, and a weight changed in
-place is packed again at its next call.
+and a weight that wants gradients, or under autocast, the layer runs `F.linear` as before. A weight
+changed in place by a tracked op (``copy_``, ``load_state_dict``) or replaced by a new tensor is
+packed again at its next call; a change through ``.data`` is not seen (see `pack_linear_layers`).
 """
 
 from __future__ import annotations
@@ -57,13 +58,23 @@ class PackedLinear(nn.Linear):
             or x.dtype != torch.float32
             or w.dtype != torch.float32
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
+            or torch.is_autocast_enabled("cpu")
         ):
             return F.linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, _packed(self), b, "none", [], "")
 
+    def __getstate__(self):
+        # Copies and pickles leave the packed weight behind (an opaque oneDNN tensor); they pack
+        # their own at their first call.
+        state = self.__dict__.copy()
+        state.pop("_streamspec_packed", None)
+        return state
+
 
 def _packed(layer: nn.Linear) -> torch.Tensor:
-    """The layer's packed weight, packed again when the weight was replaced or changed in place."""
+    """The layer's packed weight, packed again when the weight was replaced or changed in place
+    (known by the weight's storage address and version counter: a new tensor that happened to
+    reuse the old address with the same version would go unseen, as would a ``.data`` change)."""
     w = layer.weight
     key = (w.data_ptr(), w._version)
     cached = layer.__dict__.get("_streamspec_packed")
@@ -95,6 +106,11 @@ def pack_linear_layers(model: nn.Module) -> int:
             _packed(module)
             count += 1
     return count
+
+
+def pack_if_available(model: nn.Module) -> int:
+    """`pack_linear_layers` when this torch build has oneDNN, else nothing (returns 0)."""
+    return pack_linear_layers(model) if cpu_kernels_available() else 0
 
 
 def unpack_linear_layers(model: nn.Module) -> int:

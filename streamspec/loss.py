@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .kernels import PackedLinear
+
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Σ_i w_i · CE(x_i·Wᵀ + b, y_i); forward also computes the gradients, chunk by chunk."""
@@ -88,7 +90,7 @@ def weighted_cross_entropy(
     Returns the weighted sum (a differentiable 0-dim tensor) and each row's CE (detached).
     """
     row_weights = row_weights.to(torch.float32)
-    if type(head) is nn.Linear and head.weight.dim() == 2 and head.weight.numel() > 0:
+    if type(head) in (nn.Linear, PackedLinear) and head.weight.dim() == 2 and head.weight.numel() > 0:
         weight, bias = head.weight, head.bias
         if freeze_head:
             weight, bias = weight.detach(), None if bias is None else bias.detach()

@@ -39,8 +39,9 @@ def test_packed_linear_matches_nn_linear(shape):
     with torch.no_grad():
         assert _ran_packed_kernel(lambda: layer(x))
         torch.testing.assert_close(layer(x), reference_layer(x), rtol=1e-5, atol=1e-5)
-        # a non-contiguous input
-        xt = torch.randn(shape[::-1]).transpose(0, -1) if len(shape) == 2 else x
+        # a non-contiguous input of the same shape
+        xt = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+        assert xt.shape == x.shape and (x.numel() == 0 or not xt.is_contiguous())
         torch.testing.assert_close(layer(xt), reference_layer(xt), rtol=1e-5, atol=1e-5)
 
 
@@ -117,3 +118,52 @@ def test_decoding_with_packed_kernels_is_exact(arch):
         reference = generate_autoregressive(model, prompt, 16)
         for k, threshold in [(1, None), (3, None), (2, 0.01)]:
             assert torch.equal(generate(model, prompt, 16, tree_top_k=k, prune_threshold=threshold).tokens, reference)
+
+
+def test_tied_head_follows_its_embedding():
+    """SmolLM2-style tied weights: changing the embedding in place changes the packed head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    pack_linear_layers(model)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(-1)
+        torch.testing.assert_close(model.lm_head(x), x @ model.model.embed_tokens.weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_copies_and_autocast_and_losses():
+    import copy
+
+    model = add_streams(make_model("llama"), StreamConfig(stream_layers=2)).eval()
+    ids = random_ids(2, 6, 0)
+    with torch.no_grad():
+        before = model(ids).logits
+    pack_linear_layers(model)
+    twin = copy.deepcopy(model)  # e.g. save_pretrained(merge=True) copies the base
+    assert not any("_streamspec_packed" in m.__dict__ for m in twin.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, before, rtol=1e-4, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the dtype, as for nn.Linear
+            assert not _ran_packed_kernel(lambda: model(ids))
+    # training losses through a packed model (autograd on): the same as through nn.Linear
+    labels = ids.clone()
+    packed_loss = model(ids, labels=labels).loss
+    unpack_linear_layers(model)
+    torch.testing.assert_close(packed_loss, model(ids, labels=labels).loss, rtol=0, atol=0)
+
+
+def test_batches_decode_exactly_with_packed_kernels():
+    model = add_streams(make_model("llama", 1), StreamConfig(stream_layers=2)).eval()
+    pack_linear_layers(model)
+    prompts = [random_ids(1, n, n) for n in (3, 6)]
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding
+        ids[row, 6 - prompt.shape[1]:] = prompt[0]
+        mask[row, 6 - prompt.shape[1]:] = 1
+    out = generate(model, ids, 10, attention_mask=mask)
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(out.tokens[row, : out.lengths[row]], generate_autoregressive(model, prompt, 10)[0])

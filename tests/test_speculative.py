@@ -107,7 +107,6 @@ def test_shallow_trees_decode_exactly(shape):
         prompt = random_ids(1, 5, seed)
         out = generate(model, prompt, 12, tree_top_k=shape)
         assert torch.equal(out.tokens, generate_autoregressive(model, prompt, 12))
-        assert max(out.accepted_per_pass) <= len(shape) + 1
 
 
 def _arithmetic(start: int, step: int, length: int) -> torch.Tensor:
@@ -153,6 +152,16 @@ def test_trained_streams_accept_long_paths_and_stay_exact(counting_model, k, thr
     assert len(out.forward_seconds_per_pass) == len(out.head_seconds_per_pass) == len(out.overhead_seconds_per_pass) == n
     for total, forward, head in zip(out.seconds_per_pass, out.forward_seconds_per_pass, out.head_seconds_per_pass):
         assert 0 < forward and 0 < head and forward + head <= total + 1e-9
+
+
+@pytest.mark.parametrize("shape, threshold", [((2,), None), ((1, 2), None), ((2, 1), 0.01)])
+def test_shallow_trees_accept_whole_paths_of_their_depth(counting_model, shape, threshold):
+    """Streams that draft well fill a shallow tree: passes accept up to depth + 1 tokens, never
+    more (the streams below the tree's depth are not drafted from)."""
+    prompt = _arithmetic(10, 2, 5)
+    out = generate(counting_model, prompt, 24, tree_top_k=shape, prune_threshold=threshold)
+    assert torch.equal(out.tokens, generate_autoregressive(counting_model, prompt, 24))
+    assert max(out.accepted_per_pass) == len(shape) + 1, out.accepted_per_pass
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
@@ -248,6 +257,11 @@ def test_batch_arguments_are_checked():
         generate(model, ids, 4, attention_mask=torch.ones(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="real token"):
         generate(model, ids, 4, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="single best path"):
+        generate(model, ids, 4, tree_top_k=(1, 1))  # a shorter chain than the streams
+    assert torch.equal(generate(model, ids, 4, tree_top_k=(1, 1, 1)).tokens, generate(model, ids, 4).tokens)
+    with pytest.raises(ValueError, match="non-empty"):
+        generate(model, ids[:0], 4)
 
 
 def test_on_tokens_streams_exactly_the_output(counting_model):
