@@ -265,7 +265,7 @@ def held_out_rows(task: str, data: str | None = None, split: str = "test") -> li
 
 # Shapes `tree_top_k="auto"` tries on validation prompts: wide at the next token, where the streams
 # are surest, narrow below (see docs/benchmarks.md), and the paper's full trees.
-TREE_CANDIDATES = (1, (2, 1, 1), (3, 1, 1), (4, 1, 1), (3, 2, 1), 2, 3)
+TREE_CANDIDATES = (1, (2, 1, 1), (3, 1, 1), (4, 1, 1), (6, 1, 1), (3, 2, 1), 2, 3)
 
 
 def _fastest(results: dict[str, MethodResult]) -> str:
