@@ -268,26 +268,33 @@ def held_out_rows(task: str, data: str | None = None, split: str = "test") -> li
 TREE_CANDIDATES = (1, (2, 1, 1), (3, 1, 1), (4, 1, 1), (6, 1, 1), (3, 2, 1), 2, 3)
 
 
-def _fastest(results: dict[str, MethodResult]) -> str:
-    return max(results.values(), key=lambda r: r.tokens / max(r.seconds, 1e-9)).name
+def _pick_fastest(results: dict[str, MethodResult]) -> tuple[str, dict[str, dict]]:
+    """The name of the method with the best tokens/s, and every method's tokens/s and CRR."""
+    table = {name: {"tokens_per_second": round(r.tokens / max(r.seconds, 1e-9), 2),
+                    "crr": round(r.tokens / max(r.passes, 1), 3)} for name, r in results.items()}
+    return max(table, key=lambda name: table[name]["tokens_per_second"]), table
 
 
-def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int) -> int | tuple[int, ...]:
+def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int) -> tuple[int | tuple[int, ...], dict]:
     """The tree shape with the best tokens/s on validation prompts (never the test ones), among
-    the candidates that fit the model's number of streams."""
+    the candidates that fit the model's number of streams; and each candidate's tokens/s and CRR."""
     g = model.stream_config.num_streams
     shapes = {str(c): c for c in candidates if isinstance(c, int) or len(c) <= g}
     if not shapes:
         raise ValueError(f"none of the tree shapes {candidates} fits a model with {g} streams")
     methods = {name: streaming_method(model, tokenizer.eos_token_id, tree_top_k=shape) for name, shape in shapes.items()}
-    return shapes[_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))]
+    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    return shapes[best], table
 
 
-def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k, thresholds: list[float], max_new_tokens: int) -> float:
-    """The pruning threshold with the best tokens/s on validation prompts (never the test ones)."""
+def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k, thresholds: list[float],
+                     max_new_tokens: int) -> tuple[float, dict]:
+    """The pruning threshold with the best tokens/s on validation prompts (never the test ones);
+    and each threshold's tokens/s and CRR."""
     methods = {f"{t}": streaming_method(model, tokenizer.eos_token_id, tree_top_k=tree_top_k, prune_threshold=t)
                for t in thresholds}
-    return float(_fastest(run_methods(methods, tokenizer, rows, max_new_tokens)))
+    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    return float(best), table
 
 
 def run_benchmark(
@@ -342,9 +349,10 @@ def run_benchmark(
     if data is None and (auto_tree or thresholds):
         validation = held_out_rows(task, split="validation")[:validation_limit]
     if auto_tree:
-        tree_top_k = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
+        tree_top_k, tree_table = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
     if validation is not None and thresholds:
-        threshold = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds), max_new_tokens)
+        threshold, threshold_table = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds),
+                                                      max_new_tokens)
     methods = {
         "baseline": hf_method("baseline", base_model, eos),
         **({"baseline_default_kernels": with_default_kernels(hf_method("baseline", base_model, eos), base_model)}
@@ -360,8 +368,11 @@ def run_benchmark(
     summary = report(task, rows, results)
     summary["tree"]["tree_top_k"] = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     summary["tree"]["tree_chosen_on_validation"] = auto_tree
+    if auto_tree:  # what each candidate did on the validation prompts
+        summary["tree"]["validation"] = tree_table
     if threshold is not None:
         summary["tree_pruned"]["prune_threshold"] = threshold
+        summary["tree_pruned"]["validation"] = threshold_table
 
     sweep = []
     if sweep_top_k:

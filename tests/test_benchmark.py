@@ -39,6 +39,7 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         assert summary[name]["ms_per_step_head"] > 0 and summary[name]["ms_per_step_overhead"] >= 0
     assert "identical_to_autoregressive" not in summary["baseline"]
     assert summary["tree_pruned"]["prune_threshold"] in (0.0, 0.05)
+    assert set(summary["tree_pruned"]["validation"]) == {"0.0", "0.05"}
     report = json.loads((tmp_path / "report" / "benchmark.json").read_text())
     assert len(report["sweep"]) == 4
     for name in ("benchmark.md", "tokens_per_pass.png", "speedup_vs_tree_top_k.png"):
@@ -49,8 +50,11 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
                           cpu_kernels=False, tree_top_k="auto")
     assert set(plain) == {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree"}
     assert plain["tree"]["tree_chosen_on_validation"]
+    tried = plain["tree"]["validation"]  # every candidate's validation figures, the chosen one the fastest
+    assert set(tried) == {str(c) for c in TREE_CANDIDATES}
     chosen = plain["tree"]["tree_top_k"]
-    assert (chosen if isinstance(chosen, int) else tuple(chosen)) in TREE_CANDIDATES
+    key = str(chosen if isinstance(chosen, int) else tuple(chosen))
+    assert tried[key]["tokens_per_second"] == max(e["tokens_per_second"] for e in tried.values())
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "How many singers?", "completion": "SELECT count(*) FROM singer"}) + "\n")
     with pytest.raises(ValueError, match="auto"):
@@ -69,7 +73,8 @@ def test_choose_tree_keeps_shapes_that_fit_the_streams(tiny_dir, tmp_path):
     model = add_streams(AutoModelForCausalLM.from_pretrained(tiny_dir), StreamConfig(stream_layers=2, num_streams=2)).eval()
     rows = held_out_rows("sql", split="validation")[:1]
     tokenizer = load_default_tokenizer()
-    assert choose_tree(model, tokenizer, rows, [(1, 1, 1), (2, 1)], 4) == (2, 1)  # 3 depths > 2 streams
+    shape, table = choose_tree(model, tokenizer, rows, [(1, 1, 1), (2, 1)], 4)
+    assert shape == (2, 1) and set(table) == {"(2, 1)"}  # 3 depths > 2 streams: not tried
     with pytest.raises(ValueError, match="2 streams"):
         choose_tree(model, tokenizer, rows, [(1, 1, 1)], 4)
 
