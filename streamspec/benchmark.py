@@ -195,7 +195,13 @@ def markdown_table(summary: dict) -> str:
     head = ["method", *columns, *quality_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, entry in summary.items():
-        lines.append("| " + " | ".join([name] + [str(entry.get(c, "")) for c in columns + quality_keys]) + " |")
+        label = name
+        if "tree_top_k" in entry:
+            label += f" {entry['tree_top_k']}"
+        if "prune_threshold" in entry:
+            label += f" (threshold {entry['prune_threshold']})"
+        cells = ["" if entry.get(c) is None else str(entry[c]) for c in columns + quality_keys]
+        lines.append("| " + " | ".join([label] + cells) + " |")
     return "\n".join(lines)
 
 
@@ -371,6 +377,7 @@ def run_benchmark(
     if auto_tree:  # what each candidate did on the validation prompts
         summary["tree"]["validation"] = tree_table
     if threshold is not None:
+        summary["tree_pruned"]["tree_top_k"] = summary["tree"]["tree_top_k"]
         summary["tree_pruned"]["prune_threshold"] = threshold
         summary["tree_pruned"]["validation"] = threshold_table
 

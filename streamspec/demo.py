@@ -106,6 +106,7 @@ def run_demo(
           "generate on the base model, since the demo trains no next-token baseline) ...")
     result = run_benchmark(summary["export"], task="sql", limit=limit, validation_limit=max(2, limit // 2),
                            tree_top_k="auto", max_new_tokens=max_new_tokens, out_dir=str(out / "benchmark"))
-    print(f"\nA {steps}-step fine-tune barely trains the streams. docs/benchmarks.md has the figures of the full "
-          "recipe (streamspec train --recipe recipes/smollm2-135m/sql.yaml) and what limits them on a CPU.")
+    print(f"\nA {steps}-step fine-tune barely trains the streams. docs/benchmarks.md has the figures of a 3-epoch "
+          "recipe (streamspec train --recipe recipes/smollm2-135m/sql_3ep.yaml, about an hour here) and what limits "
+          "them on a CPU.")
     return result
