@@ -373,9 +373,9 @@ def _check_generate_args(
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
     g = model.stream_config.num_streams
+    shape = tree_shape(tree_top_k, g)  # raises on a bad shape
     if input_ids.shape[0] > 1:
-        chain = tree_top_k == 1 or (isinstance(tree_top_k, (tuple, list)) and tuple(tree_top_k) == (1,) * g)
-        if not chain or prune_threshold is not None:
+        if shape != (1,) * g or prune_threshold is not None:
             raise ValueError(
                 "a batch decodes the single best path per sequence: tree_top_k must be 1 (or unset) and "
                 "prune_threshold None"
@@ -390,6 +390,5 @@ def _check_generate_args(
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tree_shape(tree_top_k, g)  # raises on a bad shape
     if prune_threshold is not None and not 0 <= prune_threshold < 1:
         raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")
