@@ -437,7 +437,7 @@ def _baseline_model(meta: dict, checkpoint: str, baseline: str | None):
     base_name = str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"]
     model = load_base_model(base_name)
     if baseline is not None:
-        from peft import PeftModel
+        from .checkpoint import _load_adapter
 
-        model = PeftModel.from_pretrained(model, baseline).merge_and_unload().eval()
+        model = _load_adapter(model, Path(baseline)).merge_and_unload().eval()
     return model

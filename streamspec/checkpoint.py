@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "stream_config.json"
 WEIGHTS_FILE = "streams.safetensors"
 ADAPTER_DIR = "adapter"
+logger = logging.getLogger(__name__)
 _CHECKED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 
 
@@ -167,6 +169,8 @@ def _load_adapter(base: nn.Module, folder: Path) -> nn.Module:
     """Wrap `base` in the adapter saved in `folder` (strictly: every LoRA weight must load)."""
     from peft import LoraConfig, get_peft_model
 
+    if not folder.is_dir():
+        raise CheckpointError(f"adapter folder {folder} does not exist")
     if not (folder / "adapter_config.json").is_file():
         raise CheckpointError(f"the adapter in {folder} is incomplete (adapter_config.json missing)")
     model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
@@ -191,6 +195,30 @@ def load_adapter_weights(model: nn.Module, folder: Path) -> None:
             f"the adapter in {folder} does not match the base model: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {sorted(result.unexpected_keys)[:5]}"
         )
+
+
+def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
+    """Fold a peft LoRA adapter (a plain next-token fine-tune, say) into its base model and save a
+    plain transformers folder with the tokenizer: a base to add lossless streams to, whose outputs
+    the streamed model then reproduces exactly.
+
+    Args:
+        adapter: the adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+        out: the folder to write.
+        base: the base the adapter was trained on (a hub id, a folder, or the default model id);
+            default `streamspec.assets.DEFAULT_MODEL_ID`.
+    """
+    from .assets import DEFAULT_MODEL_ID, load_base_model, load_tokenizer
+
+    base = base or DEFAULT_MODEL_ID
+    model = _load_adapter(load_base_model(base), Path(adapter)).merge_and_unload().eval()
+    target = Path(out)
+    model.save_pretrained(target)
+    try:
+        load_tokenizer(base).save_pretrained(target)
+    except (OSError, ValueError) as err:  # a base without tokenizer files: the folder still loads as a model
+        logger.warning("no tokenizer saved with the merged model (%s has none: %s)", base, str(err).splitlines()[0])
+    return target
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:

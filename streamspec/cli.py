@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--checkpoint", required=True, help="a checkpoint-N or final folder of a training run")
     export.add_argument("--out", required=True, help="the folder to write")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
+    merge = sub.add_parser("merge", help="fold a peft LoRA adapter into its base (a base for lossless streams)")
+    merge.add_argument("--adapter", required=True, help="the adapter folder, e.g. a next-token fine-tune's final/")
+    merge.add_argument("--out", required=True, help="the folder to write (a plain transformers model + tokenizer)")
+    merge.add_argument("--base", default=None, help="the base the adapter was trained on (default: the default model)")
     gen = sub.add_parser("generate", help="decode a prompt with speculative streaming")
     gen.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
     gen.add_argument("--prompt", required=True, help="the user message (the chat template is applied when there is one)")
@@ -89,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint import export_checkpoint
 
         print(export_checkpoint(args.checkpoint, args.out, merge=args.merge))
+    elif args.command == "merge":
+        from .checkpoint import merge_adapter
+
+        print(merge_adapter(args.adapter, args.out, base=args.base))
     elif args.command == "generate":
         from .inference import generate_text
 

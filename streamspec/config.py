@@ -36,6 +36,10 @@ class StreamConfig:
         main_weight: α0, weight of the main next-token loss.
         stream_weights: αj, weight of stream j's loss; a scalar for all streams or a list of γ.
         prune_rank: rank of the early-exit adapter at layer N−Ns used to prune draft trees.
+        stream_adapter_rank: rank of stream-only low-rank adapters on every linear layer of the
+            MSA layers (``None``: none, the paper's γ·h new parameters). They act on stream rows
+            only and the main stream never passes through them, so ``"lossless"`` mode stays
+            exact; they give the streams capacity of their own when the base is frozen.
     """
 
     num_streams: int = 3
@@ -46,6 +50,7 @@ class StreamConfig:
     main_weight: float = 1.0
     stream_weights: float | list[float] = 0.1
     prune_rank: int = 8
+    stream_adapter_rank: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_streams, bool) or not isinstance(self.num_streams, int) or self.num_streams < 1:
@@ -80,6 +85,9 @@ class StreamConfig:
             self.stream_weights = [w] * self.num_streams
         if isinstance(self.prune_rank, bool) or not isinstance(self.prune_rank, int) or self.prune_rank < 1:
             raise ValueError(f"StreamConfig.prune_rank must be an integer >= 1, got {self.prune_rank!r}")
+        rank = self.stream_adapter_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"StreamConfig.stream_adapter_rank must be an integer >= 1 or null, got {rank!r}")
 
     def check_model(self, num_hidden_layers: int) -> None:
         """Raise if this config cannot be applied to a model with that many decoder layers."""

@@ -101,6 +101,61 @@ class StreamParameters(nn.Module):
         return hidden + self.exit_up(self.exit_down(hidden))
 
 
+class StreamAdapters(nn.Module):
+    """Stream-only low-rank adapters: for each MSA layer and each of its linear layers, a residual
+    ``up(down(x))`` added to that linear's output on stream rows only (``up`` starts at zero, so
+    the streams start as without adapters). Keys are the linear's name inside its layer."""
+
+    def __init__(self, targets: list[list[tuple[str, int, int]]], rank: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for layer_targets in targets:
+            adapters = nn.ModuleDict()
+            for name, fan_in, fan_out in layer_targets:
+                pair = nn.Module()
+                pair.down = nn.Linear(fan_in, rank, bias=False)
+                pair.up = nn.Linear(rank, fan_out, bias=False)
+                nn.init.normal_(pair.down.weight, std=1.0 / math.sqrt(fan_in))
+                nn.init.zeros_(pair.up.weight)
+                adapters[_adapter_key(name)] = pair
+            self.layers.append(adapters)
+
+
+def _adapter_key(name: str) -> str:
+    return name.replace(".", "-")
+
+
+def linear_targets(layer: nn.Module) -> list[tuple[str, int, int]]:
+    """The linear layers of a decoder layer as ``(name, in_features, out_features)``: ``nn.Linear``,
+    GPT-2's ``Conv1D``, and a peft LoRA wrapper counted as the one layer it wraps (its insides are
+    skipped), so the names are the same with and without a LoRA adapter attached."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from transformers.pytorch_utils import Conv1D
+
+    found: list[tuple[str, int, int]] = []
+    taken: list[str] = []
+    for name, module in layer.named_modules():
+        if not name or any(name.startswith(prefix + ".") for prefix in taken):
+            continue
+        if isinstance(module, BaseTunerLayer):
+            inner = module.get_base_layer()
+        elif isinstance(module, (nn.Linear, Conv1D)):
+            inner = module
+        else:
+            continue
+        if isinstance(inner, Conv1D):
+            fan_in, fan_out = inner.weight.shape
+        elif isinstance(inner, nn.Linear):
+            fan_in, fan_out = inner.in_features, inner.out_features
+        else:
+            raise TypeError(f"stream adapters support linear layers only; {name} wraps {type(inner).__name__}")
+        found.append((name, int(fan_in), int(fan_out)))
+        taken.append(name)
+    if not found:
+        raise ValueError(f"stream adapters found no linear layer in {type(layer).__name__}")
+    return found
+
+
 STREAM_INIT_STD = 0.3
 _LOSSLESS_NO_LORA = "mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter"
 
@@ -126,7 +181,11 @@ class StreamedModel(nn.Module):
             raise ValueError(_LOSSLESS_NO_LORA)
         hidden = hf.config.hidden_size
         param = next(hf.parameters())
-        self.streams = StreamParameters(config, hidden).to(device=param.device, dtype=param.dtype)
+        self.streams = StreamParameters(config, hidden)
+        if config.stream_adapter_rank is not None:
+            targets = [linear_targets(layer) for layer in self.layers[self.num_lower_layers :]]
+            self.streams.adapters = StreamAdapters(targets, config.stream_adapter_rank)
+        self.streams.to(device=param.device, dtype=param.dtype)
         if config.mode == "lossless":
             for p in self.base.parameters():
                 p.requires_grad_(False)
@@ -251,7 +310,7 @@ class StreamedModel(nn.Module):
         rotary = self._rotary(x, pos)
         if cache is not None:
             cache.main_length = num_new
-        with self._value_rotation(num_new, num_slots):
+        with self._value_rotation(num_new, num_slots), self._stream_adapters(num_new, num_slots):
             for layer in self.layers[self.num_lower_layers :]:
                 x = self._call_layer(layer, x, bias, pos, rotary, cache)
         if cache is not None:
@@ -287,6 +346,37 @@ class StreamedModel(nn.Module):
             for layer in self.layers[self.num_lower_layers :]
         ]
         try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextlib.contextmanager
+    def _stream_adapters(self, num_main: int, num_slots: int):
+        """With stream_adapter_rank: add each adapter's output to its linear layer's output on the
+        stream rows (those after the first `num_main`) of the MSA layers. Hooks are attached per
+        call, like `_value_rotation`, so they follow the module that currently sits there."""
+        adapters = getattr(self.streams, "adapters", None)
+        if adapters is None or num_slots == 0:
+            yield
+            return
+
+        def hook_for(pair):
+            def hook(module, args, out):
+                delta = pair.up(pair.down(args[0][:, num_main:]))
+                if torch.is_grad_enabled():
+                    return torch.cat([out[:, :num_main], out[:, num_main:] + delta], dim=1)
+                out[:, num_main:] += delta
+                return out
+
+            return hook
+
+        handles = []
+        try:
+            for layer, layer_adapters in zip(self.layers[self.num_lower_layers :], adapters.layers):
+                for key, pair in layer_adapters.items():
+                    module = layer.get_submodule(key.replace("-", "."))
+                    handles.append(module.register_forward_hook(hook_for(pair)))
             yield
         finally:
             for h in handles:

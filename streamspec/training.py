@@ -128,7 +128,9 @@ class StreamTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         if self.stream_learning_rate is None or not isinstance(unwrapped, StreamedModel):
             return optimizer
-        chosen = {id(p) for name, p in unwrapped.streams.named_parameters() if not name.startswith("exit_")}
+        chosen = {
+            id(p) for name, p in unwrapped.streams.named_parameters() if not name.startswith(("exit_", "adapters."))
+        }
         moved = []
         for group in optimizer.param_groups:
             moved += [p for p in group["params"] if id(p) in chosen]

@@ -163,3 +163,34 @@ def test_unnamed_base_needs_merge(tmp_path):
     model.save_pretrained(tmp_path / "merged", merge=True)
     ids = random_ids(1, 6, seed=4)
     _assert_same(_outputs(model.eval(), ids), _outputs(load_streamed(tmp_path / "merged"), ids), exact=False)
+
+
+def test_merge_adapter_gives_the_adapted_model_and_refuses_a_broken_adapter(tmp_path):
+    """`merge_adapter` (the `streamspec merge` command): the saved folder is the LoRA model merged,
+    loadable as a plain base for lossless streams; a missing or incomplete adapter is refused."""
+    from peft import get_peft_model
+
+    from streamspec.checkpoint import merge_adapter
+
+    base_path = tmp_path / "base"
+    make_model("llama", seed=3).save_pretrained(base_path)
+    base = AutoModelForCausalLM.from_pretrained(base_path, attn_implementation="sdpa")
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = random_ids(2, 9, seed=3)
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged", base=str(base_path))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        got = merged(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    original = AutoModelForCausalLM.from_pretrained(base_path, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert not torch.allclose(original(ids).logits, expected, atol=1e-3)  # the adapter did something
+    with pytest.raises(CheckpointError, match="does not exist"):
+        merge_adapter(tmp_path / "nowhere", tmp_path / "x", base=str(base_path))
+    _rewrite_weights(tmp_path / "adapter" / "adapter_model.safetensors",
+                     lambda s: s.pop(next(k for k in sorted(s) if "lora_A" in k)))
+    with pytest.raises(CheckpointError, match="adapter"):
+        merge_adapter(tmp_path / "adapter", tmp_path / "y", base=str(base_path))
