@@ -169,8 +169,13 @@ def quality(task: str, rows: list[dict], texts: list[str]) -> dict:
     return {k: round(100 * v / max(len(rows), 1), 2) for k, v in totals.items()}
 
 
-def report(task: str, rows: list[dict], results: dict[str, MethodResult], reference: str = "streamed_ar") -> dict:
-    """Summaries per method, the baseline being ``baseline`` when present."""
+def report(
+    task: str, rows: list[dict], results: dict[str, MethodResult], reference: str = "streamed_ar",
+    baseline_is_base: bool = False,
+) -> dict:
+    """Summaries per method, the baseline being ``baseline`` when present. With
+    `baseline_is_base` (a lossless checkpoint measured against its own base), every method also
+    reports whether its tokens are the baseline's."""
     base = results.get("baseline")
     base_tps = base.tokens / base.seconds if base and base.seconds else None
     out = {}
@@ -178,7 +183,7 @@ def report(task: str, rows: list[dict], results: dict[str, MethodResult], refere
         entry = r.summary(base_tps)
         if reference in results and name != "prompt_lookup" and not name.startswith("baseline"):
             entry["identical_to_autoregressive"] = r.token_ids == results[reference].token_ids
-        if name == "baseline_default_kernels" and base is not None:
+        if base is not None and name != "baseline" and (name == "baseline_default_kernels" or baseline_is_base):
             entry["identical_to_baseline"] = r.token_ids == base.token_ids
         entry.update(quality(task, rows, r.texts))
         out[name] = entry
@@ -371,7 +376,8 @@ def run_benchmark(
     if threshold is not None:
         methods["tree_pruned"] = streaming_method(model, eos, tree_top_k=tree_top_k, prune_threshold=threshold)
     results = run_methods(methods, tokenizer, rows, max_new_tokens)
-    summary = report(task, rows, results)
+    lossless_on_base = baseline is None and model.stream_config.mode == "lossless"
+    summary = report(task, rows, results, baseline_is_base=lossless_on_base)
     summary["tree"]["tree_top_k"] = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     summary["tree"]["tree_chosen_on_validation"] = auto_tree
     if auto_tree:  # what each candidate did on the validation prompts

@@ -13,6 +13,7 @@ from typing import Any
 
 STREAM_INITS = ("identity", "lowrank", "value_rotation")
 MODES = ("shared", "lossless")
+STREAM_TARGETS = ("labels", "main")
 
 
 @dataclass
@@ -40,6 +41,11 @@ class StreamConfig:
             MSA layers (``None``: none, the paper's γ·h new parameters). They act on stream rows
             only and the main stream never passes through them, so ``"lossless"`` mode stays
             exact; they give the streams capacity of their own when the base is frozen.
+        stream_targets: what stream j at position t learns to predict: ``"labels"``, the data's
+            token t+1+j (the paper), or ``"main"``, the main stream's own top-1 prediction of that
+            token given the data up to it (self-distillation without generating: drafts are
+            accepted when they equal the main stream's predictions, so this is what acceptance
+            asks for; meant for a frozen main stream, i.e. lossless mode).
     """
 
     num_streams: int = 3
@@ -51,6 +57,7 @@ class StreamConfig:
     stream_weights: float | list[float] = 0.1
     prune_rank: int = 8
     stream_adapter_rank: int | None = None
+    stream_targets: str = "labels"
 
     def __post_init__(self) -> None:
         if isinstance(self.num_streams, bool) or not isinstance(self.num_streams, int) or self.num_streams < 1:
@@ -85,6 +92,10 @@ class StreamConfig:
             self.stream_weights = [w] * self.num_streams
         if isinstance(self.prune_rank, bool) or not isinstance(self.prune_rank, int) or self.prune_rank < 1:
             raise ValueError(f"StreamConfig.prune_rank must be an integer >= 1, got {self.prune_rank!r}")
+        if self.stream_targets not in STREAM_TARGETS:
+            raise ValueError(
+                f"StreamConfig.stream_targets must be one of {list(STREAM_TARGETS)}, got {self.stream_targets!r}"
+            )
         rank = self.stream_adapter_rank
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             raise ValueError(f"StreamConfig.stream_adapter_rank must be an integer >= 1 or null, got {rank!r}")

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.utils import ModelOutput
 
 from .arch import ArchSpec, arch_spec, sliding_window
@@ -362,8 +363,12 @@ class StreamedModel(nn.Module):
             return
 
         def hook_for(pair):
+            down, up = pair.down.weight, pair.up.weight
+
             def hook(module, args, out):
-                delta = pair.up(pair.down(args[0][:, num_main:]))
+                # F.linear on the weights: two module calls per linear per pass would cost more
+                # than the products themselves on a few decoding rows
+                delta = F.linear(F.linear(args[0][:, num_main:], down), up)
                 if torch.is_grad_enabled():
                     return torch.cat([out[:, :num_main], out[:, num_main:] + delta], dim=1)
                 out[:, num_main:] += delta
@@ -486,12 +491,27 @@ class StreamedModel(nn.Module):
         norm = getattr(self.decoder, self.arch.norm)
         terms = [("main", main, next_labels, cfg.main_weight, norm)]
         # Stream j of the slot at position t predicts labels[t+1+j]; past the end there is none.
-        padded = torch.cat([labels, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
+        targets_of = labels if cfg.stream_targets == "labels" else self._main_predictions(main, next_labels, norm)
+        padded = torch.cat([targets_of, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
         for j, weight in enumerate(cfg.stream_weights, start=1):
             targets = padded.gather(1, index + 1 + j).masked_fill(~valid, -100)
             terms.append((f"stream_{j}", streams[:, :, j - 1], targets, weight, norm))
         terms.append(("early_exit", lower, next_labels, 1.0, self._early_exit_hidden))
         return terms
+
+    @torch.no_grad()
+    def _main_predictions(self, main, next_labels, norm, chunk: int = 256):
+        """For stream_targets='main': labels-shaped targets whose entry at position p is the main
+        stream's top-1 prediction made at p−1 (for the token at p), -100 where the data has no
+        target there."""
+        keep = next_labels != -100
+        rows = main[keep]
+        head = self.hf_model.get_output_embeddings()
+        predicted = torch.full_like(next_labels, -100)
+        if rows.shape[0]:
+            chunks = [head(norm(rows[i : i + chunk])).argmax(-1) for i in range(0, rows.shape[0], chunk)]
+            predicted[keep] = torch.cat(chunks)
+        return torch.cat([next_labels.new_full((next_labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
 
     def _loss(self, terms, chunk):
         """Weighted sum of the terms' cross-entropies, each a mean over its rows with a target;

@@ -66,6 +66,26 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         run_benchmark(str(tmp_path / "ckpt"), limit=1, validation_limit=0, tree_top_k="auto")
 
 
+def test_lossless_checkpoint_reproduces_its_base_in_the_benchmark(tiny_dir, tmp_path):
+    """Lossless streams with stream-only adapters, measured against their own base: every method's
+    tokens are the base model's `generate` tokens, and the report says so."""
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    model = add_streams(base, StreamConfig(stream_layers=2, mode="lossless", stream_adapter_rank=4))
+    with torch.no_grad():
+        for p in model.streams.adapters.parameters():
+            p.normal_(std=0.2)
+    model.save_pretrained(tmp_path / "ckpt")
+    summary = run_benchmark(
+        str(tmp_path / "ckpt"), task="sql", limit=2, validation_limit=1, thresholds=(0.05,), tree_top_k=(2, 1, 1),
+        max_new_tokens=6, out_dir=str(tmp_path / "report"),
+    )
+    for name in ("prompt_lookup", "streamed_ar", "chain", "tree", "tree_pruned"):
+        assert summary[name]["identical_to_baseline"] is True, name
+    assert "identical_to_baseline" not in summary["baseline"]
+    assert "identical_to_baseline" in (tmp_path / "report" / "benchmark.md").read_text()
+
+
 def test_choose_tree_keeps_shapes_that_fit_the_streams(tiny_dir, tmp_path):
     from streamspec import load_default_tokenizer
     from streamspec.benchmark import held_out_rows

@@ -164,3 +164,9 @@ def test_checkpoint_round_trip_and_rank_mismatch_refused(arch, tmp_path):
 def test_bad_rank_is_refused(bad):
     with pytest.raises(ValueError, match="stream_adapter_rank"):
         StreamConfig(stream_adapter_rank=bad)
+
+
+@pytest.mark.parametrize("bad", ["future", "", None])
+def test_bad_stream_targets_are_refused(bad):
+    with pytest.raises(ValueError, match="stream_targets"):
+        StreamConfig(stream_targets=bad)

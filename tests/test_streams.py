@@ -261,7 +261,7 @@ def test_left_and_right_padding_give_same_loss(arch):
 # ---------------------------------------------------------------------------------------------
 # loss
 # ---------------------------------------------------------------------------------------------
-def _naive_parts(out, labels, g):
+def _naive_parts(out, labels, g, stream_targets="labels"):
     B, T = labels.shape
     rows = {"main": ([], []), "early_exit": ([], [])}
     rows.update({f"stream_{j}": ([], []) for j in range(1, g + 1)})
@@ -277,7 +277,9 @@ def _naive_parts(out, labels, g):
             for j in range(1, g + 1):
                 if t + 1 + j < T and labels[b, t + 1 + j] != -100:
                     rows[f"stream_{j}"][0].append(out.stream_logits[b, t, j - 1])
-                    rows[f"stream_{j}"][1].append(labels[b, t + 1 + j])
+                    # "main": the main stream's own top-1 prediction of token t+1+j (made at t+j)
+                    target = labels[b, t + 1 + j] if stream_targets == "labels" else out.logits[b, t + j].argmax()
+                    rows[f"stream_{j}"][1].append(target)
     parts = {}
     for name, (logits, targets) in rows.items():
         assert logits, f"test batch gives no target for {name}"
@@ -286,12 +288,14 @@ def _naive_parts(out, labels, g):
 
 
 @pytest.mark.parametrize("mode", ["shared", "lossless"])
-def test_loss_parts_match_naive_computation(arch, mode):
+@pytest.mark.parametrize("stream_targets", ["labels", "main"])
+def test_loss_parts_match_naive_computation(arch, mode, stream_targets):
     g = 3
     weights = [0.3, 0.2, 0.5]
     main_weight = 0.7 if mode == "shared" else 0.0
     _, model = streamed(
-        arch, seed=41, mode=mode, num_streams=g, main_weight=main_weight, stream_weights=weights, stream_layers=2
+        arch, seed=41, mode=mode, num_streams=g, main_weight=main_weight, stream_weights=weights, stream_layers=2,
+        stream_targets=stream_targets,
     )
     seqs = [random_ids(1, 10, 41)[0], random_ids(1, 7, 42)[0]]
     ids, mask = pad_batch(seqs, 10, "left")
@@ -307,7 +311,9 @@ def test_loss_parts_match_naive_computation(arch, mode):
     assert torch.isnan(out.stream_logits[~expected_carry]).all()
     assert torch.isfinite(out.stream_logits[expected_carry]).all()
 
-    naive = _naive_parts(out, labels, g)
+    naive = _naive_parts(out, labels, g, stream_targets)
+    if stream_targets == "main":  # the test can tell the two targets apart
+        assert not torch.allclose(naive["stream_1"], _naive_parts(out, labels, g)["stream_1"])
     assert set(out.loss_parts) == {"main", "early_exit", *(f"stream_{j}" for j in range(1, g + 1))}
     for name, value in naive.items():
         torch.testing.assert_close(out.loss_parts[name], value, atol=1e-5, rtol=1e-5, msg=name)
