@@ -138,6 +138,7 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
 @pytest.mark.parametrize("name, options", [
     ("benchmark.py", ("--checkpoint", "--task", "--baseline", "--sweep", "--data")),
     ("decode_crr.py", ("--checkpoint", "--task", "--split", "--limit", "--trees", "--pruned")),
+    ("stream_adapter_cost.py", ("--checkpoint", "--task", "--limit", "--repeats")),
 ])
 def test_eval_entry_points_parse_their_options(name, options):
     import subprocess
