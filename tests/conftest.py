@@ -93,6 +93,15 @@ def reference_logits(model, input_ids, attention_mask=None):
         ).logits
 
 
+def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """transformers `generate(do_sample=False)` of an unpatched model: exactly `max_new_tokens` new
+    tokens (no EOS), without the prompt."""
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[:, prompt.shape[1]:]
+
+
 def random_ids(batch: int, length: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=gen)
