@@ -106,7 +106,7 @@ def run_demo(
           "generate on the base model, since the demo trains no next-token baseline) ...")
     result = run_benchmark(summary["export"], task="sql", limit=limit, validation_limit=max(2, limit // 2),
                            tree_top_k="auto", max_new_tokens=max_new_tokens, out_dir=str(out / "benchmark"))
-    print(f"\nA {steps}-step fine-tune barely trains the streams. docs/benchmarks.md has the figures of a 3-epoch "
-          "recipe (streamspec train --recipe recipes/smollm2-135m/sql_3ep.yaml, about an hour here) and what limits "
-          "them on a CPU.")
+    print(f"\nA {steps}-step fine-tune barely trains the streams. docs/benchmarks.md has the figures of longer "
+          "recipes (recipes/smollm2-135m/sql_3ep.yaml, about an hour here; sql_lossless_adapters.yaml, streams that "
+          "keep a next-token fine-tune's exact tokens, 34 min) and what limits them on a CPU.")
     return result
