@@ -15,7 +15,7 @@ import torch
 
 from streamspec import load_streamed
 from streamspec.benchmark import held_out_rows
-from streamspec.data.build import format_prompt
+from streamspec.data.build import prompt_ids
 from streamspec.decoding import generate
 from streamspec.inference import checkpoint_tokenizer
 from streamspec.kernels import pack_if_available
@@ -36,8 +36,7 @@ def main() -> None:
     pack_if_available(model)
     tokenizer = checkpoint_tokenizer(args.checkpoint)
     rows = held_out_rows(args.task, split="validation")[: args.limit]
-    prompts = [tokenizer(format_prompt(tokenizer, r), return_tensors="pt", add_special_tokens=False).input_ids
-               for r in rows]
+    prompts = [prompt_ids(tokenizer, r) for r in rows]
     steps = {"with_adapters": [], "without_adapters": []}
     with torch.no_grad():
         for _ in range(args.repeats):

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .data.build import format_prompt
+from .data.build import prompt_ids
 from .decoding import generate
 from .evaluation import sql_exact_match, sql_is_valid
 from .tree import tree_shape
@@ -128,11 +128,11 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
     for first-call costs (allocations, kernel set-up) that another does not."""
     results = {name: MethodResult(name) for name in methods}
     if rows:
-        ids = tokenizer(format_prompt(tokenizer, rows[0]), return_tensors="pt", add_special_tokens=False).input_ids
+        ids = prompt_ids(tokenizer, rows[0])
         for method in methods.values():
             method(ids, 4)
     for row in tqdm(rows, desc="benchmark", unit="prompt"):
-        ids = tokenizer(format_prompt(tokenizer, row), return_tensors="pt", add_special_tokens=False).input_ids
+        ids = prompt_ids(tokenizer, row)
         for name, method in methods.items():
             start = time.perf_counter()
             new, passes, accepted, split = method(ids, max_new_tokens)

@@ -208,34 +208,39 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
         base: the base the adapter was trained on (a hub id, a folder, or the default model id);
             default `streamspec.assets.DEFAULT_MODEL_ID`.
     """
-    from .assets import DEFAULT_MODEL_ID, load_base_model, load_tokenizer
+    from .assets import DEFAULT_MODEL_ID, load_base_model
 
     base = base or DEFAULT_MODEL_ID
     model = _load_adapter(load_base_model(base), Path(adapter)).merge_and_unload().eval()
     target = Path(out)
     model.save_pretrained(target)
-    try:
-        load_tokenizer(base).save_pretrained(target)
-    except (OSError, ValueError) as err:  # a base without tokenizer files: the folder still loads as a model
-        logger.warning("no tokenizer saved with the merged model (%s has none: %s)", base, str(err).splitlines()[0])
+    tokenizer = _tokenizer_if_any(base)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
     return target
+
+
+def _tokenizer_if_any(source: str):
+    """The tokenizer of `source`, or None (with a warning) for a model folder without one: a merged
+    folder written without it still loads as a model."""
+    from .assets import load_tokenizer
+
+    try:
+        return load_tokenizer(source)
+    except (OSError, ValueError) as err:
+        logger.warning("no tokenizer saved with the model (%s has none: %s)", source, str(err).splitlines()[0])
+        return None
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
     """Re-save a training checkpoint (or any streamed checkpoint) as a streamed checkpoint in
     `out`, optionally merged and self-contained. The result is loaded back and checked."""
-    from .assets import load_tokenizer
-
     folder = Path(checkpoint)
     meta = read_checkpoint_meta(folder)
     model = load_streamed(folder)
     tokenizer = None
     if merge:
-        source = str(folder) if meta.get("merged") else meta["base_model"]["name_or_path"]
-        try:
-            tokenizer = load_tokenizer(source)
-        except OSError:
-            tokenizer = None  # a base without tokenizer files: the folder is still loadable
+        tokenizer = _tokenizer_if_any(str(folder) if meta.get("merged") else meta["base_model"]["name_or_path"])
     target = save_streamed(model, out, merge=merge, tokenizer=tokenizer)
     load_streamed(target)  # refuse to report success for a folder that does not load
     return target

@@ -92,11 +92,11 @@ def evaluate_sql(generate, tokenizer, rows: list[dict], max_new_tokens: int = 12
     """Exact match and validity of greedy answers to Spider rows, with a progress bar."""
     from tqdm.auto import tqdm
 
-    from .data.build import format_prompt
+    from .data.build import prompt_ids
 
     predictions, exact, valid = [], 0, 0
     for row in tqdm(rows, desc="sql eval", unit="question"):
-        ids = tokenizer(format_prompt(tokenizer, row), return_tensors="pt", add_special_tokens=False).input_ids
+        ids = prompt_ids(tokenizer, row)
         text = tokenizer.decode(generate(ids, max_new_tokens)[0], skip_special_tokens=True)
         hit, ok = sql_exact_match(text, row["query"]), sql_is_valid(text, row["schema"])
         exact += hit

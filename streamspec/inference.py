@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import load_streamed, read_checkpoint_meta
-from .data.build import format_prompt
+from .data.build import prompt_ids
 from .decoding import generate
 
 
@@ -31,7 +31,7 @@ def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out
         from .kernels import pack_if_available
 
         pack_if_available(model)
-    ids = tokenizer(format_prompt(tokenizer, {"prompt": prompt}), return_tensors="pt", add_special_tokens=False).input_ids
+    ids = prompt_ids(tokenizer, {"prompt": prompt})
     shown: list[int] = []
     printed = ""
 

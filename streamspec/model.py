@@ -123,7 +123,12 @@ class StreamAdapters(nn.Module):
 
 
 def _adapter_key(name: str) -> str:
+    """A linear's name inside its layer as a ModuleDict key (no dots); `_adapter_target` inverts it."""
     return name.replace(".", "-")
+
+
+def _adapter_target(key: str) -> str:
+    return key.replace("-", ".")
 
 
 def linear_targets(layer: nn.Module) -> list[tuple[str, int, int]]:
@@ -380,7 +385,7 @@ class StreamedModel(nn.Module):
         try:
             for layer, layer_adapters in zip(self.layers[self.num_lower_layers :], adapters.layers):
                 for key, pair in layer_adapters.items():
-                    module = layer.get_submodule(key.replace("-", "."))
+                    module = layer.get_submodule(_adapter_target(key))
                     handles.append(module.register_forward_hook(hook_for(pair)))
             yield
         finally:

@@ -98,6 +98,12 @@ def format_prompt(tokenizer, row: dict) -> str:
     return "\n\n".join(m["content"] for m in messages) + "\n"
 
 
+def prompt_ids(tokenizer, row: dict):
+    """The prompt as decoding takes it: a [1, T] LongTensor of the formatted prompt's ids (no
+    special tokens added beyond what the chat template writes)."""
+    return tokenizer(format_prompt(tokenizer, row), return_tensors="pt", add_special_tokens=False).input_ids
+
+
 def completion_suffix(tokenizer) -> str:
     """What closes a completion: the end-of-turn / EOS token."""
     if tokenizer.eos_token is None:
