@@ -181,7 +181,7 @@ def generate(
     speculative: bool = True,
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
-    on_tokens: Callable[[list[int]], None] | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
     profile: bool = False,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
@@ -200,7 +200,9 @@ def generate(
             the single best path per sequence (tree_top_k 1).
         prune_threshold: drop draft children whose early-exit transition probability is below it.
         on_tokens: called with each call's accepted tokens as they come (one sequence only), cut
-            at max_new_tokens and after EOS like the returned tokens.
+            at max_new_tokens and after EOS like the returned tokens. If it returns True, decoding
+            stops after this call (a stop string was seen, a client went away); the returned
+            tokens then end with the ones it was last given.
         profile: on an accelerator, wait for the device around each timed part so that the
             forward / head / overhead split is true (slower; on a CPU the split is always true).
     """
@@ -245,8 +247,7 @@ def generate(
     forward_done = clock()
     _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, width, tree.depth_limit)
     generated = [int(root)]
-    if on_tokens is not None:
-        on_tokens([int(root)])
+    stopped = on_tokens is not None and bool(on_tokens([int(root)]))
     end = clock()
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [end - start]
     out.forward_seconds_per_pass, out.head_seconds_per_pass = [forward_done - start], [end - forward_done]
@@ -256,7 +257,7 @@ def generate(
     ones = torch.ones(1, length + max_new_tokens + tree.size, dtype=torch.bool, device=device)
     tree_ok = tree.ancestors[None]
 
-    ended = int(root) in stop
+    ended = int(root) in stop or stopped
     while len(generated) < max_new_tokens and not ended:
         start = clock()
         head_seconds = 0.0
@@ -289,10 +290,9 @@ def generate(
         cache.keep(past, kept[path_index], lower_layers)
         cache.keep(past, path_index, upper_layers)
         past += len(path)
-        if on_tokens is not None:
-            on_tokens(_within_limits(new, len(generated), max_new_tokens, stop))
+        stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
         generated.extend(new)
-        ended = any(t in stop for t in new)
+        ended = stopped or any(t in stop for t in new)
         end = clock()
         out.forward_passes += 1
         out.accepted_per_pass.append(len(new))
