@@ -223,26 +223,38 @@ def generate(
         if on_tokens is not None:
             on_tokens(out.tokens[0].tolist())
         return out
-    stop = _stop_set(eos_token_id)
-    device = input_ids.device
-    clock = _Clock(device, profile)
     g = model.stream_config.num_streams
     shape = tree_shape(tree_top_k, g)
+    cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
+    out, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
+                       _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile))
+    return out
+
+
+def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor, max_new_tokens: int,
+              sampler: Sampler, shape: tuple[int, ...], prune_threshold: float | None, stop: set[int],
+              on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock") -> tuple[GenerateOutput, int]:
+    """The speculative-streaming loop of one sequence, from a cache that already holds `past`
+    entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache).
+    Arguments are checked by the caller. Returns the output and how many entries the cache then
+    holds: every token up to, not including, the last one generated (whose entries the next
+    pass would write), before any cut by `max_new_tokens` or a stop token; a caller that keeps
+    the cache crops it to the tokens it keeps (`DecodingSession` does)."""
+    device = new_ids.device
     tree = _tree(shape).to(device)
     width = max(shape)
     full_children = tree.children()
     lower_layers = range(model.num_lower_layers)
     upper_layers = range(model.num_lower_layers, len(model.layers))
-    cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + tree.size * (g + 1))
-    out = GenerateOutput(tokens=input_ids.new_zeros(1, 0), forward_passes=0)
+    out = GenerateOutput(tokens=new_ids.new_zeros(1, 0), forward_passes=0)
 
-    # Prefill: streams at the last prompt position give the root and the first draft.
+    # Prefill: streams at the last new position give the root and the first draft.
     start = clock()
-    length = input_ids.shape[1]
-    positions = torch.arange(length, device=device)[None]
-    main_ok = main_allowed(causal(length, device), torch.ones(1, length, dtype=torch.bool, device=device))
+    length = new_ids.shape[1]
+    positions = torch.arange(past, past + length, device=device)[None]
+    main_ok = main_allowed(causal(length, device), torch.ones(1, past + length, dtype=torch.bool, device=device))
     last = torch.full((1, 1), length - 1, dtype=torch.long, device=device)
-    lower = model.run_lower(input_ids, positions, main_ok, cache)
+    lower = model.run_lower(new_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
     forward_done = clock()
     _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, width, tree.depth_limit)
@@ -251,10 +263,10 @@ def generate(
     end = clock()
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [end - start]
     out.forward_seconds_per_pass, out.head_seconds_per_pass = [forward_done - start], [end - forward_done]
-    past = length
+    past += length
     everything = torch.arange(tree.size, device=device)
     every_slot_valid = torch.ones(1, tree.size, dtype=torch.bool, device=device)
-    ones = torch.ones(1, length + max_new_tokens + tree.size, dtype=torch.bool, device=device)
+    ones = torch.ones(1, past + max_new_tokens + tree.size, dtype=torch.bool, device=device)
     tree_ok = tree.ancestors[None]
 
     ended = int(root) in stop or stopped
@@ -301,8 +313,8 @@ def generate(
         out.forward_seconds_per_pass.append(forward_done - start - head_seconds)
         out.head_seconds_per_pass.append(head_done - forward_done + head_seconds)
 
-    out.tokens = torch.tensor([_within_limits(generated, 0, max_new_tokens, stop)], dtype=input_ids.dtype, device=device)
-    return out
+    out.tokens = torch.tensor([_within_limits(generated, 0, max_new_tokens, stop)], dtype=new_ids.dtype, device=device)
+    return out, past
 
 
 class _Clock:
