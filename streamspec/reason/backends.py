@@ -1,0 +1,444 @@
+"""Where SpecReason's models run: in process (`LocalBackend`) or behind an OpenAI-compatible
+server (`ServerBackend`: vLLM, SGLang, `streamspec serve`).
+
+A backend holds one growing conversation: the solving prompt of the current problem, then the
+steps kept so far. Text is what the roles exchange (drafter and base may have different
+tokenizers); inside a backend, token ids are kept between calls and only new text is tokenised.
+Every backend can
+
+- `generate` the next piece of text (a step, stopping at the delimiter; the answer, stopping when
+  the ``\\boxed{`` closes) and keep it,
+- `judge` a step: keep it and read the model's probabilities of the digits 0..9 as the next token
+  after the judging request, in one pass whose request tokens are then dropped again,
+- `append` text written elsewhere, and `rollback` to a `mark`.
+
+A local backend keeps the KV cache of everything kept (`streamspec.session.DecodingSession`), so
+a judgement reads only the new step and the request; a step kept after its judgement keeps the
+entries the judge pass wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..decoding import Sampler
+from ..session import DecodingSession
+from .config import BackendConfig
+from .prompts import JUDGE_REPLY_OPENING, JUDGE_REQUEST, solve_message
+
+logger = logging.getLogger(__name__)
+_SENTINEL = "\u2063STREAMSPEC-STEP\u2063"
+
+
+class BackendError(RuntimeError):
+    """A model backend failed (a server that cannot be reached or answers with an error)."""
+
+
+@dataclass
+class Generation:
+    """Text a backend generated and kept.
+
+    Attributes:
+        text: the kept text.
+        tokens: tokens generated for it (the budget counts these).
+        passes: forward passes (speculative streaming: fewer than tokens; servers: None).
+        seconds: wall time.
+        ended: the model ended its turn (EOS) inside this text.
+    """
+
+    text: str
+    tokens: int
+    passes: int | None
+    seconds: float
+    ended: bool = False
+
+
+@dataclass
+class Judgement:
+    """The judge's view of a step: probabilities of the digits 0..9 as its next token, the digit
+    of its single most likely token (None when that token is not a digit), tokens read, time."""
+
+    digit_probs: list[float]
+    top_digit: int | None
+    tokens_read: int
+    seconds: float
+
+    def score(self, how: str) -> float:
+        """``"argmax"``: the most likely token's digit (a non-digit counts as 0); ``"expected"``:
+        Σ d·p(d) over the digits, renormalised over them (0 when they have no mass)."""
+        if how == "argmax":
+            return float(self.top_digit or 0)
+        mass = sum(self.digit_probs)
+        return 0.0 if mass <= 0 else sum(d * p for d, p in enumerate(self.digit_probs)) / mass
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.6
+    top_p: float = 0.95
+    seed: int | None = None
+
+
+class Backend(ABC):
+    """One role's model with the conversation of the current problem (see the module docstring)."""
+
+    name: str = "model"
+
+    @abstractmethod
+    def start(self, problem: str) -> None:
+        """Begin a new problem: the conversation is the solving prompt, no steps yet."""
+
+    @abstractmethod
+    def mark(self) -> int:
+        """An opaque position in the conversation, for `rollback`."""
+
+    @abstractmethod
+    def rollback(self, mark: int) -> None:
+        """Drop everything after `mark`."""
+
+    @abstractmethod
+    def append(self, text: str) -> None:
+        """Add text written elsewhere (a step another model wrote)."""
+
+    @abstractmethod
+    def generate(self, max_tokens: int, sampling: Sampling, stop: "TextStop") -> Generation:
+        """Generate and keep text until `stop` says it is complete or `max_tokens` are spent."""
+
+    @abstractmethod
+    def judge(self, step: str) -> Judgement:
+        """Keep `step` and read the digit distribution after the judging request (the request
+        itself is not kept)."""
+
+    def close(self) -> None:
+        """Release what the backend holds (connections)."""
+
+
+class TextStop:
+    """Where a generated text is complete: after `delimiter` (once something other than
+    whitespace came before it), or, with `boxed`, when the ``\\boxed{`` that the text continues
+    closes."""
+
+    def __init__(self, delimiter: str | None = None, boxed: bool = False) -> None:
+        if (delimiter is None) == (not boxed):
+            raise ValueError("TextStop takes a delimiter or boxed=True")
+        self.delimiter, self.boxed = delimiter, boxed
+
+    def end(self, text: str) -> int | None:
+        """The length of the complete text, or None if it is not complete yet."""
+        if self.delimiter is not None:
+            start = len(text) - len(text.lstrip())
+            at = text.find(self.delimiter, start)
+            return None if at < 0 else at + len(self.delimiter)
+        depth = 1
+        for i, ch in enumerate(text):
+            depth += (ch == "{") - (ch == "}")
+            if depth == 0:
+                return i + 1
+        return None
+
+
+# -- chat framing ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatFrame:
+    """The text around the steps: `prefix(problem)` opens the assistant's turn after the solving
+    prompt; `judge_suffix` closes the turn, asks for the score and opens the judge's reply."""
+
+    head: str
+    tail: str
+    judge_suffix: str
+
+    def prefix(self, problem: str) -> str:
+        return self.head + solve_message(problem) + self.tail
+
+
+def chat_frame(tokenizer) -> ChatFrame:
+    """Render the tokenizer's chat template once around sentinels: the conversation the judge
+    sees is exactly the template's rendering of [user: problem, assistant: steps, user: request]."""
+    if getattr(tokenizer, "chat_template", None):
+        problem_mark = "\u2063STREAMSPEC-PROBLEM\u2063"
+        messages = [{"role": "user", "content": problem_mark}, {"role": "assistant", "content": _SENTINEL},
+                    {"role": "user", "content": JUDGE_REQUEST}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if text.count(_SENTINEL) != 1 or text.count(problem_mark) != 1:
+            raise ValueError("the chat template does not render the assistant's turn verbatim; SpecReason needs it to")
+        before, after = text.split(_SENTINEL)
+        head, tail = before.split(problem_mark)
+        # the solving prompt's user message is what solve_message makes of the problem
+        return ChatFrame(head=head, tail=tail, judge_suffix=after + JUDGE_REPLY_OPENING)
+    return ChatFrame(head="", tail="\n\nSolution:\n", judge_suffix=f"\n\n{JUDGE_REQUEST}\n{JUDGE_REPLY_OPENING}")
+
+
+def _render_problem(frame: ChatFrame, problem: str) -> str:
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError("the problem is empty")
+    return frame.prefix(problem)
+
+
+@lru_cache(maxsize=8)
+def _digit_ids(tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Every vocabulary entry that renders as one digit, with or without surrounding space, per
+    digit 0..9."""
+    found: list[list[int]] = [[] for _ in range(10)]
+    has_digit = re.compile(r"[0-9]")
+    for token, index in tokenizer.get_vocab().items():
+        if len(token) > 4 or not has_digit.search(token):
+            continue
+        text = tokenizer.convert_tokens_to_string([token]).strip()
+        if len(text) == 1 and "0" <= text <= "9":
+            found[int(text)].append(index)
+    if not all(found):
+        missing = [d for d in range(10) if not found[d]]
+        raise ValueError(f"the judge's tokenizer has no single-digit token for {missing}; it cannot give a 0-9 score")
+    return tuple(tuple(ids) for ids in found)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation = getattr(model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None) if generation is not None else None
+    ids.update([extra] if isinstance(extra, int) else extra or [])
+    return sorted(ids)
+
+
+# -- in process -----------------------------------------------------------------------------------
+class LocalBackend(Backend):
+    """A model in this process: a `StreamedModel` (speculative streaming) or any transformers
+    causal LM (one token per pass), with its tokenizer.
+
+    Args:
+        model: the model; a `StreamedModel` with ``streams=False`` runs its base without streams.
+        tokenizer: its tokenizer (chat template used when it has one).
+        tree_top_k: the draft tree of a streamed model.
+        name: for messages and traces.
+    """
+
+    def __init__(self, model, tokenizer, streams: bool = True, tree_top_k=None, name: str = "model") -> None:
+        from ..model import StreamedModel
+
+        self.name = name
+        self.streamed = isinstance(model, StreamedModel) and streams
+        if isinstance(model, StreamedModel) and not streams:
+            model = model.hf_model
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.frame = chat_frame(tokenizer)
+        self.session = DecodingSession(model, tree_top_k=tuple(tree_top_k) if isinstance(tree_top_k, list) else tree_top_k) \
+            if self.streamed else DecodingSession(model)
+        self.eos = _eos_ids(model, tokenizer)
+        self._suffix_ids = self._encode(self.frame.judge_suffix)
+        self._sampler: Sampler | None = None
+        self._sampler_key = None
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def start(self, problem: str) -> None:
+        prompt = _render_problem(self.frame, problem)
+        ids = self._encode(prompt)
+        if self.tokenizer.unk_token_id is not None and self.tokenizer.unk_token_id in ids:
+            raise ValueError(f"the {self.name}'s tokenizer cannot render the prompt (unknown tokens in it)")
+        self.session.reset(ids)
+        self._sampler = None
+
+    def mark(self) -> int:
+        return len(self.session)
+
+    def rollback(self, mark: int) -> None:
+        self.session.rollback(mark)
+
+    def append(self, text: str) -> None:
+        self.session.extend(self._encode(text))
+
+    def _sampler_for(self, sampling: Sampling) -> Sampler:
+        key = (sampling.temperature, sampling.top_p, sampling.seed)
+        if self._sampler is None or key != self._sampler_key:
+            # one generator per problem: the draws of a run follow from the seed
+            self._sampler = Sampler(sampling.temperature, sampling.top_p, seed=sampling.seed, device=self.session.device)
+            self._sampler_key = key
+        return self._sampler
+
+    def generate(self, max_tokens: int, sampling: Sampling, stop: TextStop) -> Generation:
+        decode = self.tokenizer.decode
+        checked = [0]
+
+        def rule(tokens: list[int]) -> int | None:
+            # the fewest tokens whose text is complete (a chunk of accepted tokens can run past it)
+            for k in range(checked[0] + 1, len(tokens) + 1):
+                if stop.end(decode(tokens[:k])) is not None:
+                    return k
+            checked[0] = len(tokens)
+            return None
+
+        limit = self.session.context_limit
+        if limit is not None:
+            extra = self.model.stream_config.num_streams if self.streamed else 0
+            max_tokens = min(max_tokens, limit - len(self.session) - extra)
+            if max_tokens < 1:
+                raise BackendError(f"the {self.name}'s context of {limit} tokens is full")
+        out = self.session.generate(max_tokens, self._sampler_for(sampling), self.eos, rule)
+        if out.ended:
+            # the end-of-turn token stays out of the conversation: an answer cue may follow it
+            self.session.rollback(len(self.session) - 1)
+        text = decode(out.tokens, skip_special_tokens=True)
+        return Generation(text=text, tokens=len(out.tokens), passes=out.forward_passes, seconds=out.seconds,
+                          ended=out.ended)
+
+    def judge(self, step: str) -> Judgement:
+        start = time.perf_counter()
+        self.append(step)
+        keep = self.mark()
+        self.session.extend(self._suffix_ids)
+        read = len(self.session) - self.session.cached
+        probs = self.session.next_logits().softmax(-1)
+        self.session.rollback(keep)
+        digits = _digit_ids(self.tokenizer)
+        digit_probs = [float(probs[list(ids)].sum()) for ids in digits]
+        top = int(probs.argmax())
+        top_digit = next((d for d, ids in enumerate(digits) if top in ids), None)
+        return Judgement(digit_probs, top_digit, read, time.perf_counter() - start)
+
+
+# -- behind a server ------------------------------------------------------------------------------
+class ServerBackend(Backend):
+    """A model behind an OpenAI-compatible server, through ``POST {url}/completions``.
+
+    The conversation is kept as text and sent whole with each request (servers with prefix
+    caching, such as vLLM's, reuse their cache for it); the chat template comes from a local
+    tokenizer (`tokenizer`, default the model name). The judge reads ``logprobs`` (top 20) of one
+    generated token. One request checks the server and the model at start; none lists models per
+    call. Failed requests (connection errors, 5xx, 429) are retried `retries` times with backoff.
+    """
+
+    def __init__(self, url: str, model: str, tokenizer=None, timeout: float = 300.0, retries: int = 2,
+                 api_key: str | None = None, name: str = "model", client=None) -> None:
+        import httpx
+
+        self.name, self.model_name = name, model
+        self.url = url.rstrip("/")
+        self.retries = retries
+        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = client or httpx.Client(timeout=timeout, headers=headers)
+        if tokenizer is None or isinstance(tokenizer, str):
+            from ..assets import load_tokenizer
+
+            source = tokenizer or model
+            try:
+                tokenizer = load_tokenizer(source)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"the {name} at {url} needs a tokenizer for its chat template; {source!r} did not load "
+                                 f"({str(err).splitlines()[0]}); pass tokenizer= (a folder or hub id)") from err
+        self.frame = chat_frame(tokenizer)
+        self._check_server()
+        self.text = ""
+        self._calls = 0
+
+    def _check_server(self) -> None:
+        import httpx
+
+        try:
+            response = self.client.get(f"{self.url}/models")
+        except httpx.HTTPError as err:
+            raise BackendError(f"cannot reach the {self.name} server at {self.url}: {err}") from err
+        if response.status_code != 200:
+            raise BackendError(f"the {self.name} server at {self.url} answered {response.status_code} to GET /models")
+        served = [m.get("id") for m in response.json().get("data", [])]
+        if served and self.model_name not in served:
+            raise BackendError(f"the {self.name} server at {self.url} serves {served}, not {self.model_name!r}")
+
+    def _complete(self, body: dict) -> dict:
+        import httpx
+
+        body = {"model": self.model_name, **body}
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.client.post(f"{self.url}/completions", json=body)
+            except httpx.HTTPError as err:
+                failure = f"{type(err).__name__}: {err}"
+            else:
+                if response.status_code == 200:
+                    return response.json()
+                failure = f"HTTP {response.status_code}: {response.text[:300]}"
+                if response.status_code < 500 and response.status_code != 429:
+                    break  # a bad request does not get better by asking again
+            if attempt < self.retries:
+                time.sleep(0.5 * 2**attempt)
+        raise BackendError(f"the {self.name} server at {self.url} failed: {failure}")
+
+    def start(self, problem: str) -> None:
+        self.text = _render_problem(self.frame, problem)
+        self._calls = 0
+
+    def mark(self) -> int:
+        return len(self.text)
+
+    def rollback(self, mark: int) -> None:
+        self.text = self.text[:mark]
+
+    def append(self, text: str) -> None:
+        self.text += text
+
+    def generate(self, max_tokens: int, sampling: Sampling, stop: TextStop) -> Generation:
+        start = time.perf_counter()
+        body = {"prompt": self.text, "max_tokens": max_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p}
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed + self._calls
+        self._calls += 1
+        if stop.delimiter is not None:
+            body["stop"] = [stop.delimiter]
+        reply = self._complete(body)
+        choice = reply["choices"][0]
+        text = choice.get("text") or ""
+        if stop.delimiter is not None and choice.get("finish_reason") == "stop" and text.strip():
+            if not text.endswith(stop.delimiter):
+                text += stop.delimiter  # servers leave the stop string out of the text
+        end = stop.end(text)
+        if end is not None:
+            text = text[:end]
+        tokens = int((reply.get("usage") or {}).get("completion_tokens") or 0)
+        ended = choice.get("finish_reason") == "stop" and (stop.delimiter is None or not text.endswith(stop.delimiter))
+        self.text += text
+        return Generation(text=text, tokens=tokens, passes=None, seconds=time.perf_counter() - start, ended=ended)
+
+    def judge(self, step: str) -> Judgement:
+        start = time.perf_counter()
+        self.text += step
+        reply = self._complete({"prompt": self.text + self.frame.judge_suffix, "max_tokens": 1, "temperature": 0.0,
+                                "logprobs": 20})
+        choice = reply["choices"][0]
+        logprobs = choice.get("logprobs") or {}
+        top = (logprobs.get("top_logprobs") or [{}])[0] or {}
+        digit_probs = [0.0] * 10
+        for token, logprob in top.items():
+            text = token.strip()
+            if len(text) == 1 and "0" <= text <= "9":
+                digit_probs[int(text)] += float(torch.tensor(logprob).exp())
+        first = (choice.get("text") or "").strip()
+        top_digit = int(first) if len(first) == 1 and "0" <= first <= "9" else None
+        read = int((reply.get("usage") or {}).get("prompt_tokens") or 0)
+        return Judgement(digit_probs, top_digit, read, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def backend_from_config(config: BackendConfig, name: str) -> Backend:
+    """Build the backend a `BackendConfig` describes (loading an in-process model)."""
+    if config.is_server:
+        return ServerBackend(config.source, config.model, tokenizer=config.tokenizer, timeout=config.timeout,
+                             retries=config.retries, api_key=config.api_key, name=name)
+    from ..loading import load_for_inference
+
+    loaded = load_for_inference(config.source, device=config.device, dtype=config.dtype, gguf_file=config.gguf_file)
+    return LocalBackend(loaded.model, loaded.tokenizer, streams=config.streams, tree_top_k=config.tree_top_k, name=name)
