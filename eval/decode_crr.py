@@ -13,10 +13,8 @@ import argparse
 import json
 
 from streamspec.benchmark import held_out_rows, report, run_methods, streaming_method
-from streamspec.checkpoint import load_streamed
-from streamspec.cli import tree_arg
-from streamspec.inference import checkpoint_tokenizer
-from streamspec.kernels import pack_if_available
+from streamspec.cli import add_device_args, tree_arg
+from streamspec.loading import load_for_inference
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,11 +26,11 @@ if __name__ == "__main__":
     parser.add_argument("--pruned", type=float, default=None, help="also run each tree with this pruning threshold")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--default-kernels", action="store_true", help="torch's default CPU linear kernels")
+    add_device_args(parser)
     args = parser.parse_args()
-    tokenizer = checkpoint_tokenizer(args.checkpoint)
-    model = load_streamed(args.checkpoint, merge_lora=True)
-    if not args.default_kernels:
-        pack_if_available(model)
+    loaded = load_for_inference(args.checkpoint, device=args.device, dtype=args.dtype,
+                                cpu_kernels=not args.default_kernels)
+    model, tokenizer = loaded.model, loaded.tokenizer
     rows = held_out_rows(args.task, split=args.split)[: args.limit]
     eos = tokenizer.eos_token_id
     methods = {"streamed_ar": streaming_method(model, eos, speculative=False)}

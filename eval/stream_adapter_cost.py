@@ -13,12 +13,11 @@ import statistics
 
 import torch
 
-from streamspec import load_streamed
 from streamspec.benchmark import held_out_rows
+from streamspec.cli import add_device_args
 from streamspec.data.build import prompt_ids
 from streamspec.decoding import generate
-from streamspec.inference import checkpoint_tokenizer
-from streamspec.kernels import pack_if_available
+from streamspec.loading import load_for_inference
 
 
 def main() -> None:
@@ -28,15 +27,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=5, help="validation prompts")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    add_device_args(parser)
     args = parser.parse_args()
-    model = load_streamed(args.checkpoint, merge_lora=True).eval()
+    loaded = load_for_inference(args.checkpoint, device=args.device, dtype=args.dtype)  # packed kernels on a CPU
+    model, tokenizer = loaded.model, loaded.tokenizer
     adapters = getattr(model.streams, "adapters", None)
     if adapters is None:
         raise SystemExit(f"{args.checkpoint} has no stream adapters (stream_adapter_rank is null)")
-    pack_if_available(model)
-    tokenizer = checkpoint_tokenizer(args.checkpoint)
     rows = held_out_rows(args.task, split="validation")[: args.limit]
-    prompts = [prompt_ids(tokenizer, r) for r in rows]
+    prompts = [prompt_ids(tokenizer, r).to(loaded.device) for r in rows]
     steps = {"with_adapters": [], "without_adapters": []}
     with torch.no_grad():
         for _ in range(args.repeats):

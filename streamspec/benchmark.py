@@ -94,7 +94,10 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
     """A method that decodes with transformers `generate` (greedy) and counts its passes."""
     counter = CallCounter(model)
 
+    device = next(model.parameters()).device
+
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
+        ids = ids.to(device)
         before = counter.calls
         with torch.no_grad():
             out = model.generate(
@@ -111,8 +114,10 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
 def streaming_method(model, eos_token_id, **kwargs) -> Callable:
     """A method that decodes with `streamspec.decoding.generate`."""
 
+    device = next(model.parameters()).device
+
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
-        out = generate(model, ids, max_new_tokens, eos_token_id=eos_token_id, **kwargs)
+        out = generate(model, ids.to(device), max_new_tokens, eos_token_id=eos_token_id, **kwargs)
         split = {}
         if out.forward_seconds_per_pass:  # the first call is the prefill
             split = {"prefill": out.seconds_per_pass[0], "forward": sum(out.forward_seconds_per_pass[1:]),
@@ -321,6 +326,8 @@ def run_benchmark(
     max_new_tokens: int = 128,
     out_dir: str | None = None,
     cpu_kernels: bool = True,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -334,9 +341,11 @@ def run_benchmark(
         sweep_top_k: also measure speedup and CRR for these tree_top_k, with and without pruning.
         cpu_kernels: on a CPU, run every model's fp32 linear layers through packed oneDNN kernels
             (`streamspec.kernels.pack_linear_layers`) and add the ``baseline_default_kernels`` row.
+        device / dtype: where and in what precision both models run (`streamspec.loading`;
+            ``auto``: CUDA in bfloat16 when available, else the CPU in float32).
     """
-    from .checkpoint import load_streamed, read_checkpoint_meta
-    from .inference import checkpoint_tokenizer
+    from .checkpoint import read_checkpoint_meta
+    from .loading import load_for_inference
 
     auto_tree = tree_top_k == "auto"
     if isinstance(tree_top_k, list):
@@ -346,12 +355,12 @@ def run_benchmark(
     if auto_tree and data is not None:
         raise ValueError("tree_top_k='auto' chooses on the task's validation split; with data=FILE give a shape")
     meta = read_checkpoint_meta(checkpoint)
-    tokenizer = checkpoint_tokenizer(checkpoint)
-    model = load_streamed(checkpoint, merge_lora=True)
+    loaded = load_for_inference(checkpoint, device=device, dtype=dtype, cpu_kernels=False)  # packed below, with the baseline
+    model, tokenizer = loaded.model, loaded.tokenizer
     if not auto_tree:
         tree_shape(tree_top_k, model.stream_config.num_streams)  # a bad shape fails before any decoding
     rows = held_out_rows(task, data)[:limit]
-    base_model = _baseline_model(meta, checkpoint, baseline)
+    base_model = _baseline_model(meta, checkpoint, baseline, loaded.device, loaded.dtype)
     eos = tokenizer.eos_token_id
     packed = cpu_kernels and _pack_for_cpu(model, base_model)
 
@@ -437,13 +446,14 @@ def with_default_kernels(method: Callable, model) -> Callable:
     return run
 
 
-def _baseline_model(meta: dict, checkpoint: str, baseline: str | None):
+def _baseline_model(meta: dict, checkpoint: str, baseline: str | None, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32):
     from .assets import load_base_model
 
     base_name = str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"]
-    model = load_base_model(base_name)
+    model = load_base_model(base_name, dtype=dtype)
     if baseline is not None:
         from .checkpoint import _load_adapter
 
         model = _load_adapter(model, Path(baseline)).merge_and_unload().eval()
-    return model
+    return model.to(device)

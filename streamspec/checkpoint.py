@@ -197,7 +197,8 @@ def load_adapter_weights(model: nn.Module, folder: Path) -> None:
         )
 
 
-def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
+def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None,
+                  dtype: str | torch.dtype | None = None) -> Path:
     """Fold a peft LoRA adapter (a plain next-token fine-tune, say) into its base model and save a
     plain transformers folder with the tokenizer: a base to add lossless streams to, whose outputs
     the streamed model then reproduces exactly.
@@ -206,18 +207,31 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
         adapter: the adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
         out: the folder to write.
         base: the base the adapter was trained on (a hub id, a folder, or the default model id);
-            default `streamspec.assets.DEFAULT_MODEL_ID`.
+            default: the one the adapter records (``base_model_name_or_path`` in its
+            ``adapter_config.json``), else `streamspec.assets.DEFAULT_MODEL_ID`.
+        dtype: the dtype to merge and save in; None or ``auto``: the base's own (its config's
+            ``torch_dtype``, see `streamspec.loading.base_dtype`).
     """
     from .assets import DEFAULT_MODEL_ID, load_base_model
+    from .loading import dtype_or_base
 
-    base = base or DEFAULT_MODEL_ID
-    model = _load_adapter(load_base_model(base), Path(adapter)).merge_and_unload().eval()
+    base = base or _recorded_base(Path(adapter)) or DEFAULT_MODEL_ID
+    model = load_base_model(base, dtype=dtype_or_base(dtype, base))
+    model = _load_adapter(model, Path(adapter)).merge_and_unload().eval()
     target = Path(out)
     model.save_pretrained(target)
     tokenizer = _tokenizer_if_any(base)
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
     return target
+
+
+def _recorded_base(adapter: Path) -> str | None:
+    """The base model an adapter folder records (peft's ``base_model_name_or_path``), if any."""
+    config = adapter / "adapter_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("base_model_name_or_path") or None
 
 
 def _tokenizer_if_any(source: str):
@@ -232,15 +246,20 @@ def _tokenizer_if_any(source: str):
         return None
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
+def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = False,
+                      dtype: str | torch.dtype | None = None) -> Path:
     """Re-save a training checkpoint (or any streamed checkpoint) as a streamed checkpoint in
-    `out`, optionally merged and self-contained. The result is loaded back and checked."""
+    `out`, optionally merged and self-contained, in `dtype` (None or ``auto``: the base's own, see
+    `streamspec.loading.base_dtype`). The result is loaded back and checked."""
+    from .loading import dtype_or_base
+
     folder = Path(checkpoint)
     meta = read_checkpoint_meta(folder)
-    model = load_streamed(folder)
+    precision = dtype_or_base(dtype, str(folder) if meta.get("merged") else meta["base_model"]["name_or_path"])
+    model = load_streamed(folder, dtype=precision)
     tokenizer = None
     if merge:
         tokenizer = _tokenizer_if_any(str(folder) if meta.get("merged") else meta["base_model"]["name_or_path"])
     target = save_streamed(model, out, merge=merge, tokenizer=tokenizer)
-    load_streamed(target)  # refuse to report success for a folder that does not load
+    load_streamed(target, dtype=precision)  # refuse to report success for a folder that does not load
     return target

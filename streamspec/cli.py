@@ -21,6 +21,28 @@ def tree_or_auto_arg(text: str) -> int | tuple[int, ...] | str:
     return text if text == "auto" else tree_arg(text)
 
 
+def add_device_args(parser: argparse.ArgumentParser, device: bool = True, dtype_help: str | None = None) -> None:
+    """--device and --dtype, as `streamspec.loading.load_for_inference` takes them (checked by
+    `check_device_args` right after parsing, so a typo fails before any work)."""
+    if device:
+        parser.add_argument("--device", default="auto", help="auto (CUDA when available, else cpu), cpu, cuda, cuda:N, mps")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto, float32, bfloat16 or float16 (" + (dtype_help or "auto: bfloat16 on CUDA, float32 on a CPU") + ")")
+
+
+def check_device_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an unknown --device / --dtype (or a CUDA device on a machine without one) at once."""
+    from .loading import resolve_device, resolve_dtype
+
+    try:
+        if getattr(args, "device", None) is not None:
+            resolve_device(args.device)
+        if getattr(args, "dtype", None) is not None:
+            resolve_dtype(args.dtype, "cpu")
+    except ValueError as err:
+        parser.error(str(err))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamspec", description="Speculative Streaming for HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--limit", type=int, default=8, help="held-out questions to benchmark")
     demo.add_argument("--out", default="runs/demo", help="folder for the checkpoint and the benchmark files")
     demo.add_argument("--intro-only", action="store_true", help="only show the streams on the default model")
+    add_device_args(demo)
     sub.add_parser("prepare", help="convert the default model into the cache (done on first use otherwise)")
     train = sub.add_parser("train", help="fine-tune from a YAML recipe")
     train.add_argument("--recipe", required=True, help="a YAML recipe, e.g. recipes/smollm2-135m/sql.yaml")
@@ -41,10 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--checkpoint", required=True, help="a checkpoint-N or final folder of a training run")
     export.add_argument("--out", required=True, help="the folder to write")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
+    add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
     merge = sub.add_parser("merge", help="fold a peft LoRA adapter into its base (a base for lossless streams)")
     merge.add_argument("--adapter", required=True, help="the adapter folder, e.g. a next-token fine-tune's final/")
     merge.add_argument("--out", required=True, help="the folder to write (a plain transformers model + tokenizer)")
-    merge.add_argument("--base", default=None, help="the base the adapter was trained on (default: the default model)")
+    merge.add_argument("--base", default=None,
+                       help="the base the adapter was trained on (default: the adapter's base_model_name_or_path, "
+                            "else the default model)")
+    add_device_args(merge, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
     gen = sub.add_parser("generate", help="decode a prompt with speculative streaming")
     gen.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
     gen.add_argument("--prompt", required=True, help="the user message (the chat template is applied when there is one)")
@@ -59,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     gen.add_argument("--default-kernels", action="store_true",
                      help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
+    add_device_args(gen)
     ev = sub.add_parser("eval", help="benchmark decoding methods side by side (speed and quality)")
     ev.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
     ev.add_argument("--task", choices=["sql", "summarize"], default="sql")
@@ -73,15 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--default-kernels", action="store_true",
                     help="run every method with torch's default CPU linear kernels (default: packed oneDNN kernels "
                          "for all, plus a baseline row with the default ones)")
+    add_device_args(ev)
     args = parser.parse_args(argv)
+    check_device_args(parser, args)
 
     if args.command == "demo":
         from .demo import introduce, run_demo
 
         if args.intro_only:
-            introduce(args.example)
+            introduce(args.example, device=args.device, dtype=args.dtype)
         else:
-            run_demo(steps=args.steps, limit=args.limit, out_dir=args.out, example_index=args.example)
+            run_demo(steps=args.steps, limit=args.limit, out_dir=args.out, example_index=args.example,
+                     device=args.device, dtype=args.dtype)
     elif args.command == "train":
         from .recipe import load_recipe
         from .training import run_training
@@ -92,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "export":
         from .checkpoint import export_checkpoint
 
-        print(export_checkpoint(args.checkpoint, args.out, merge=args.merge))
+        print(export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype))
     elif args.command == "merge":
         from .checkpoint import merge_adapter
 
-        print(merge_adapter(args.adapter, args.out, base=args.base))
+        print(merge_adapter(args.adapter, args.out, base=args.base, dtype=args.dtype))
     elif args.command == "generate":
         from .inference import generate_text
 
@@ -104,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold,
             seed=args.seed, speculative=not args.no_speculative, stream=args.stream,
-            cpu_kernels=not args.default_kernels,
+            cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
     elif args.command == "eval":
         from .benchmark import run_benchmark
@@ -112,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), max_new_tokens=args.max_new_tokens,
-            out_dir=args.out, cpu_kernels=not args.default_kernels,
+            out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
     elif args.command == "prepare":
         from .assets import default_model_path

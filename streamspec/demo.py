@@ -13,18 +13,21 @@ from pathlib import Path
 
 import torch
 
-from .assets import load_default_model, load_default_tokenizer
 from .config import StreamConfig
 from .data import load_spider, sql_prompt
 from .layout import position_ids_from_mask
 from .model import add_streams
 
 
-def introduce(example_index: int = 0) -> dict:
-    """Print what the streams add to the default model and what they predict; return the numbers."""
+def introduce(example_index: int = 0, device: str = "auto", dtype: str = "auto") -> dict:
+    """Print what the streams add to the default model and what they predict; return the numbers.
+    The model runs on `device` in `dtype` (see `streamspec.loading`)."""
+    from .assets import DEFAULT_MODEL_ID
+    from .loading import dtype_name, load_for_inference
+
     torch.manual_seed(0)
-    tokenizer = load_default_tokenizer()
-    base = load_default_model()
+    loaded = load_for_inference(DEFAULT_MODEL_ID, device=device, dtype=dtype, cpu_kernels=False)
+    tokenizer, base = loaded.tokenizer, loaded.model
     config = StreamConfig()
     model = add_streams(base, config).eval()
     base_params = sum(p.numel() for p in base.parameters())
@@ -39,14 +42,14 @@ def introduce(example_index: int = 0) -> dict:
     messages = [{"role": "user", "content": sql_prompt(example["schema"], example["question"])}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     text += example["query"]  # teacher-force the gold SQL so every position has a known future
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(loaded.device)
     print(f"\nprompt: Spider '{example['db_id']}' — {example['question']!r} ({ids.shape[1]} tokens with the gold SQL)")
 
     with torch.no_grad():
         out = model(ids)
         lossless = add_streams(base, StreamConfig(mode="lossless")).eval()
         diff = (lossless(ids).logits - base(ids, position_ids=position_ids_from_mask(torch.ones_like(ids, dtype=torch.bool))).logits).abs().max().item()
-    print(f"lossless mode: max |logits − base logits| = {diff:.2e} (the base model's outputs, up to fp32 rounding)")
+    print(f"lossless mode: max |logits − base logits| = {diff:.2e} (the base model's outputs, up to {dtype_name(loaded.dtype)} rounding)")
 
     # Read predictions at the position just before the SQL's 4th token.
     prompt_len = len(tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids)
@@ -75,12 +78,16 @@ def run_demo(
     model: str | None = None,
     max_new_tokens: int = 96,
     example_index: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> dict:
     """The main job: introduce, fine-tune `steps` steps, export, benchmark `limit` held-out
     questions. Returns the benchmark summary (its files are under `out_dir`/benchmark).
 
     Args:
         model: another base (a local path or hub id) instead of the default SmolLM2.
+        device / dtype: where and in what precision the introduction and the benchmark run
+            (`streamspec.loading`); the fine-tune runs where the Trainer puts it.
     """
     from .benchmark import run_benchmark
     from .recipe import load_recipe
@@ -91,7 +98,7 @@ def run_demo(
     if not RECIPE.is_file():
         raise FileNotFoundError(f"the demo fine-tunes with {RECIPE.name} from the repository's recipes/; not found at {RECIPE}")
     if model is None:
-        introduce(example_index)
+        introduce(example_index, device=device, dtype=dtype)
     out = Path(out_dir)
     overrides = [f"training.output_dir={out / 'train'}", f"training.max_steps={steps}", "training.report_to=none",
                  f"training.save_steps={steps}", f"training.logging_steps={max(1, steps // 6)}"]
@@ -105,7 +112,8 @@ def run_demo(
     print(f"\n[2/2] benchmark on {limit} held-out Spider questions (batch 1, greedy; baseline: transformers "
           "generate on the base model, since the demo trains no next-token baseline) ...")
     result = run_benchmark(summary["export"], task="sql", limit=limit, validation_limit=max(2, limit // 2),
-                           tree_top_k="auto", max_new_tokens=max_new_tokens, out_dir=str(out / "benchmark"))
+                           tree_top_k="auto", max_new_tokens=max_new_tokens, out_dir=str(out / "benchmark"),
+                           device=device, dtype=dtype)
     print(f"\nA {steps}-step fine-tune barely trains the streams. docs/benchmarks.md has the figures of longer "
           "recipes (recipes/smollm2-135m/sql_3ep.yaml, about an hour here; sql_lossless_adapters.yaml, streams that "
           "keep a next-token fine-tune's exact tokens, 34 min) and what limits them on a CPU.")

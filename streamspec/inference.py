@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import load_streamed, read_checkpoint_meta
+from .checkpoint import read_checkpoint_meta
 from .data.build import prompt_ids
 from .decoding import generate
 
@@ -19,19 +19,22 @@ def checkpoint_tokenizer(checkpoint: str | Path):
     return load_tokenizer(str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"])
 
 
-def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out=sys.stdout, cpu_kernels: bool = True,
-                  **kwargs) -> str:
+def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out=None, cpu_kernels: bool = True,
+                  device: str = "auto", dtype: str = "auto", **kwargs) -> str:
     """Decode `prompt` with the checkpoint; print the text (as it is accepted with `stream`) and a
-    one-line summary. With `cpu_kernels`, an fp32 model on a CPU runs its linear layers through
-    packed oneDNN kernels (`streamspec.kernels`). Other keyword arguments go to
-    `streamspec.decoding.generate`."""
-    tokenizer = checkpoint_tokenizer(checkpoint)
-    model = load_streamed(checkpoint, merge_lora=True)
-    if cpu_kernels:
-        from .kernels import pack_if_available
+    one-line summary. The model is loaded by `streamspec.loading.load_for_inference` on `device`
+    in `dtype` (``auto``: bfloat16 on CUDA, float32 on a CPU); with `cpu_kernels`, an fp32 model on
+    a CPU runs its linear layers through packed oneDNN kernels (`streamspec.kernels`). Other
+    keyword arguments go to `streamspec.decoding.generate`. `out` defaults to the current sys.stdout."""
+    from .loading import load_for_inference
 
-        pack_if_available(model)
-    ids = prompt_ids(tokenizer, {"prompt": prompt})
+    out = out if out is not None else sys.stdout
+    loaded = load_for_inference(checkpoint, device=device, dtype=dtype, cpu_kernels=cpu_kernels)
+    if not loaded.streamed:
+        raise ValueError(f"{checkpoint} is not a streamed checkpoint (no stream_config.json); "
+                         "`streamspec serve` decodes plain models too")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ids = prompt_ids(tokenizer, {"prompt": prompt}).to(loaded.device)
     shown: list[int] = []
     printed = ""
 

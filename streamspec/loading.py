@@ -1,0 +1,268 @@
+"""One way to load a model for inference: a streamed checkpoint or any Hugging Face causal LM, on
+a device, in a dtype.
+
+`load_for_inference` is what every command that decodes goes through (`streamspec generate`,
+`eval`, `demo`, `serve`), so ``--device`` and ``--dtype`` mean the same everywhere:
+
+- ``device``: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda``, ``cuda:1``, ``mps``;
+- ``dtype``: ``auto`` (bfloat16 on CUDA, float32 elsewhere), ``float32``, ``bfloat16``,
+  ``float16`` (aliases ``fp32``, ``bf16``, ``fp16``).
+
+Greedy speculative decoding in a reduced precision is exact in the sense the README's "Reduced
+precision" paragraph explains: the tokens are those of one-token-per-pass decoding *in that dtype*
+up to bf16 rounding of near-ties, not those of float32 decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+"""The values ``--dtype`` offers (the aliases in `DTYPES` are accepted too)."""
+_STREAM_CONFIG = "stream_config.json"
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``auto`` / None: ``cuda`` when CUDA is available, else ``cpu``; otherwise the device named,
+    checked to exist here. Raises ValueError for an unknown name or a device this machine lacks."""
+    if device is None or (isinstance(device, str) and device.strip().lower() == "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device.strip() if isinstance(device, str) else device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps") from err
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for CUDA, but this torch build or machine has no CUDA device "
+                             "(use --device cpu or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif resolved.type == "mps":
+        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise ValueError(f"device {device!r}: MPS is not available here")
+    elif resolved.type != "cpu":
+        raise ValueError(f"unsupported device {device!r}: use auto, cpu, cuda, cuda:N or mps")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto") -> torch.dtype:
+    """``auto`` / None: bfloat16 on CUDA, float32 elsewhere (`device`: a torch.device, or a name
+    as for `resolve_device`); else float32, bfloat16 or float16, by name or as a torch dtype.
+    Raises ValueError otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype}")
+        return dtype
+    if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
+        # a torch.device is taken as it is (a model already placed there); a name is resolved
+        kind = device.type if isinstance(device, torch.device) else resolve_device(device).type
+        return torch.bfloat16 if kind == "cuda" else torch.float32
+    name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (or fp32, bf16, fp16), got {dtype!r}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode, and what it is.
+
+    Attributes:
+        model: a `StreamedModel` (``streamed``) or a transformers causal LM, in eval mode.
+        tokenizer: its tokenizer (with the chat template when the model has one).
+        streamed: whether `model` carries speculative streams (decode it with
+            `streamspec.decoding.generate`).
+        source: what was loaded (the folder, hub id or ``folder/file.gguf``).
+        device / dtype: where and in what precision its weights are.
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    streamed: bool
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def max_length(self) -> int | None:
+        """The model's context in positions (``max_position_embeddings``), when it has one."""
+        config = self.model.config
+        return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def is_streamed_checkpoint(source: str | Path) -> bool:
+    """Whether `source` is a folder holding a streamed checkpoint (``stream_config.json``)."""
+    return (Path(source) / _STREAM_CONFIG).is_file()
+
+
+def load_for_inference(
+    source: str | Path,
+    *,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    device_map: str | dict | None = None,
+    gguf_file: str | None = None,
+    merge_lora: bool = True,
+    cpu_kernels: bool = True,
+) -> LoadedModel:
+    """Load `source` for decoding.
+
+    Args:
+        source: a streamed checkpoint folder (``stream_config.json``), or any causal LM: a local
+            folder, a hub id, `streamspec.assets.DEFAULT_MODEL_ID`, a folder with ``gguf_file``,
+            or the path of a ``.gguf`` file.
+        device / dtype: see `resolve_device` / `resolve_dtype` (both ``auto`` by default).
+        device_map: passed to transformers (e.g. ``"auto"`` to spread a large model over GPUs);
+            the model is then left where transformers put it instead of moved to `device`.
+        gguf_file: the GGUF file's name inside the `source` folder (transformers dequantises it).
+        merge_lora: fold a streamed checkpoint's LoRA adapter into the base (faster inference).
+        cpu_kernels: on a CPU in float32, run the linear layers through packed oneDNN kernels
+            (`streamspec.kernels`); ignored elsewhere.
+    """
+    from .assets import DEFAULT_MODEL_ID
+
+    target = resolve_device(device)
+    precision = resolve_dtype(dtype, target)
+    text = str(source)
+    path = Path(text).expanduser()
+    if text.endswith(".gguf") and gguf_file is None and path.is_file():
+        path, gguf_file = path.parent, path.name
+    local = path.exists()
+    if not local and text != DEFAULT_MODEL_ID and _looks_like_path(text):
+        raise FileNotFoundError(f"model folder {text} does not exist")
+    if local and not path.is_dir():
+        raise ValueError(f"{text} is a file, not a model folder (for a GGUF file pass the folder and gguf_file=)")
+    if gguf_file is not None and not (path / gguf_file).is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path}")
+
+    if local and is_streamed_checkpoint(path):
+        from .checkpoint import load_streamed, read_checkpoint_meta
+        from .inference import checkpoint_tokenizer
+
+        base = None
+        if device_map is not None:
+            meta = read_checkpoint_meta(path)
+            name = str(path) if meta.get("merged") else meta["base_model"]["name_or_path"]
+            base = _causal_lm(name, precision, device_map, None)
+        model = load_streamed(path, base_model=base, dtype=precision, merge_lora=merge_lora)
+        tokenizer = checkpoint_tokenizer(path)
+        streamed = True
+        name = str(path)
+    else:
+        if local and gguf_file is None and not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} holds neither a streamed checkpoint ({_STREAM_CONFIG}) nor a "
+                                    "transformers model (config.json); for a GGUF file pass gguf_file=")
+        name = str(path) if local else text
+        model = _causal_lm(name, precision, device_map, gguf_file)
+        tokenizer = _tokenizer(name, gguf_file)
+        streamed = False
+        if gguf_file is not None:
+            name = str(path / gguf_file)
+    if device_map is None:
+        # Only moved: the weights were loaded in `precision`; a blanket .to(dtype) would also
+        # round buffers transformers keeps in float32 (the rotary inv_freq).
+        model = model.to(target)
+    else:
+        target = next(model.parameters()).device
+    model.eval()
+    if cpu_kernels and target.type == "cpu" and precision == torch.float32:
+        from .kernels import pack_if_available
+
+        pack_if_available(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, streamed=streamed, source=name, device=target, dtype=precision)
+
+
+def _looks_like_path(text: str) -> bool:
+    """A hub id is ``name`` or ``owner/name``; anything else (absolute, relative with ./, ~, more
+    than one slash, a backslash) can only be meant as a local path."""
+    return (text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text)
+
+
+def _causal_lm(name: str, dtype: torch.dtype, device_map, gguf_file: str | None) -> nn.Module:
+    """A transformers causal LM with sdpa attention, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from .assets import DEFAULT_MODEL_ID, load_default_model
+
+    if name == DEFAULT_MODEL_ID and device_map is None:
+        return load_default_model(dtype=dtype)
+    if name == DEFAULT_MODEL_ID:
+        from .assets import default_model_path
+
+        name = str(default_model_path())
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except OSError as err:
+        raise OSError(f"could not load the model {name!r}: it is not a local folder and could not be fetched as a "
+                      f"hub id ({str(err).splitlines()[0]})") from err
+    return model.eval()
+
+
+def _tokenizer(name: str, gguf_file: str | None):
+    from .assets import load_tokenizer
+
+    if gguf_file is None:
+        return load_tokenizer(name)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, gguf_file=gguf_file)
+
+
+def base_dtype(name_or_path: str | Path | None) -> torch.dtype:
+    """The dtype a model's weights were saved in (its config's ``dtype`` / ``torch_dtype``), for
+    commands that rewrite a model (`streamspec merge`, `export`) and should keep it. float32 when
+    the config names none or cannot be read (a hub id offline)."""
+    from .assets import DEFAULT_MODEL_ID
+
+    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL_ID:
+        return torch.float32  # the default model is converted to float32 (see streamspec.assets)
+    config_file = Path(name_or_path) / "config.json"
+    try:
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+            saved = config.get("dtype") or config.get("torch_dtype")
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(name_or_path))
+            saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    except (OSError, ValueError) as err:
+        logger.warning("could not read the dtype of %s (%s); using float32", name_or_path, str(err).splitlines()[0])
+        return torch.float32
+    if saved is None:
+        return torch.float32
+    try:
+        return resolve_dtype(saved if isinstance(saved, torch.dtype) else str(saved), "cpu")
+    except ValueError:
+        return torch.float32
+
+
+def dtype_or_base(dtype: str | torch.dtype | None, base: str | Path | None) -> torch.dtype:
+    """`dtype` when given (not None or ``auto``), else the base's saved dtype (`base_dtype`)."""
+    if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
+        return base_dtype(base)
+    return resolve_dtype(dtype, "cpu")
