@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every method with torch's default CPU linear kernels (default: packed oneDNN kernels "
                          "for all, plus a baseline row with the default ones)")
     add_device_args(ev)
+    from .reason.cli import add_reason_commands
+
+    add_reason_commands(sub)
     args = parser.parse_args(argv)
     check_device_args(parser, args)
 
@@ -145,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), max_new_tokens=args.max_new_tokens,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
+    elif args.command in ("reason", "reason-eval"):
+        from .reason.cli import dispatch
+
+        return dispatch(args)
     elif args.command == "prepare":
         from .assets import default_model_path
 

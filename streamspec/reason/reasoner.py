@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 from .backends import Backend, Sampling, TextStop
 from .config import ReasonConfig
@@ -39,14 +40,16 @@ class SpecReasoner:
         config: the algorithm's settings (`ReasonConfig`).
         judge: a separate judging backend (default: the base, which then keeps the KV cache of
             the judged step when it is accepted).
+        on_step: called with each step as it is decided (the command line prints it).
     """
 
     def __init__(self, drafter: Backend | None, base: Backend | None, config: ReasonConfig | None = None,
-                 judge: Backend | None = None) -> None:
+                 judge: Backend | None = None, on_step: Callable[[Step], None] | None = None) -> None:
         if drafter is None and base is None:
             raise ValueError("SpecReasoner needs a drafter, a base, or both")
         self.drafter, self.base = drafter, base
         self.judge = judge if judge is not None else base
+        self.on_step = on_step
         self.config = config or ReasonConfig()
         if not isinstance(self.config, ReasonConfig):
             raise TypeError(f"config must be a ReasonConfig, got {type(self.config).__name__}")
@@ -139,6 +142,8 @@ class SpecReasoner:
                 if step is None:
                     return "budget"
             trace.steps.append(step)
+            if self.on_step is not None:
+                self.on_step(step)
             if self._step_answers(step.text):
                 return "answered"
             if len(trace.steps) >= 2 and step.text.strip() == trace.steps[-2].text.strip():

@@ -1,0 +1,173 @@
+"""`streamspec reason-eval`: SpecReason against its baselines on the same problems and budget, and
+the judge's calibration on CHAMP's first-wrong-step annotations.
+
+Methods (each a `ReasonTrace.method` name):
+
+- ``base_only``: the base writes every step;
+- ``drafter_only``: the drafter writes every step, unjudged;
+- ``specreason@T``: SpecReason at threshold T with the drafter decoded by speculative streaming;
+- ``specreason_plain@T``: the same drafter without streams (one token per pass): what the streams
+  add end to end.
+
+Results go to ``traces.jsonl`` one trace per line as each finishes, so an interrupted run resumes
+where it stopped (finished (method, problem) pairs are skipped); then ``summary.json``,
+``summary.md`` and the plots (`streamspec.reason.report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Iterable
+
+from .backends import Backend
+from .config import ReasonConfig
+from .grading import answers_match
+from .reasoner import SpecReasoner
+from .tasks import Problem
+from .trace import ReasonTrace
+
+logger = logging.getLogger(__name__)
+TRACES_FILE = "traces.jsonl"
+CALIBRATION_FILE = "calibration.jsonl"
+
+
+def method_names(thresholds: Iterable[float], drafter: bool, base: bool, plain: bool) -> list[str]:
+    """The methods a run compares, baselines first."""
+    names = []
+    if base:
+        names.append("base_only")
+    if drafter:
+        names.append("drafter_only")
+    if drafter and base:
+        for t in thresholds:
+            names.append(f"specreason@{t:g}")
+            if plain:
+                names.append(f"specreason_plain@{t:g}")
+    return names
+
+
+def read_traces(path: Path) -> list[ReasonTrace]:
+    """The traces of a (possibly interrupted) run; a torn last line is skipped with a warning."""
+    traces = []
+    if not path.is_file():
+        return traces
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            traces.append(ReasonTrace.from_dict(json.loads(line)))
+        except (json.JSONDecodeError, TypeError) as err:
+            logger.warning("%s line %d is not a whole trace (%s); it will be run again", path, number, err)
+    return traces
+
+
+def _key(method: str, problem_id: str | None, problem: str) -> tuple[str, str]:
+    return method, problem_id if problem_id is not None else problem
+
+
+def evaluate(problems: list[Problem], config: ReasonConfig, out_dir: str | Path, *, base: Backend | None,
+             drafter: Backend | None, plain_drafter: Backend | None = None, thresholds: Iterable[float] | None = None,
+             methods: list[str] | None = None, progress: bool = True) -> list[ReasonTrace]:
+    """Run every method on every problem (problem by problem, so an interrupted run holds whole
+    comparisons) and append each trace to ``out_dir/traces.jsonl``; skip pairs already there.
+
+    Args:
+        problems: what to solve (`streamspec.reason.tasks.load_problems`).
+        config: the settings shared by every method; ``seed`` (if set) + the problem's index seeds
+            each problem, the same for every method.
+        base, drafter: backends; `plain_drafter` is the drafter without streams (optional).
+        thresholds: SpecReason thresholds (default: config.threshold).
+        methods: a subset of `method_names` to run (default: all that the backends allow).
+    Returns every trace of the run, earlier ones included.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    thresholds = list(thresholds) if thresholds else [config.threshold]
+    available = method_names(thresholds, drafter is not None, base is not None, plain_drafter is not None)
+    methods = methods or available
+    unknown = [m for m in methods if m not in available]
+    if unknown:
+        raise ValueError(f"methods {unknown} cannot run with these backends; available: {available}")
+    path = out / TRACES_FILE
+    traces = read_traces(path)
+    done = {_key(t.method, t.problem_id, t.problem) for t in traces if t.stop_reason != "error"}
+    todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if _key(m, p.id, p.question) not in done]
+    if len(todo) < len(problems) * len(methods):
+        logger.info("resuming: %d of %d runs already in %s", len(problems) * len(methods) - len(todo),
+                    len(problems) * len(methods), path)
+    bar = tqdm(todo, desc="reason-eval", unit="run", disable=not progress)
+    with path.open("a", encoding="utf-8") as handle:
+        for index, problem, method in bar:
+            bar.set_postfix_str(f"{method} {problem.id}")
+            trace = run_method(method, problem, _seeded(config, index), base, drafter, plain_drafter)
+            handle.write(json.dumps(trace.to_dict()) + "\n")
+            handle.flush()
+            traces.append(trace)
+    return traces
+
+
+def _seeded(config: ReasonConfig, index: int) -> ReasonConfig:
+    return config if config.seed is None else dataclasses.replace(config, seed=config.seed + index)
+
+
+def run_method(method: str, problem: Problem, config: ReasonConfig, base: Backend | None, drafter: Backend | None,
+               plain_drafter: Backend | None = None) -> ReasonTrace:
+    """One method on one problem, graded against the problem's answer."""
+    name, _, threshold = method.partition("@")
+    if threshold:
+        config = dataclasses.replace(config, threshold=float(threshold))
+    if name == "base_only":
+        trace = SpecReasoner(None, base, config).base_only(problem.question)
+    elif name == "drafter_only":
+        trace = SpecReasoner(drafter, None, config).drafter_only(problem.question)
+    elif name == "specreason":
+        trace = SpecReasoner(drafter, base, config).solve(problem.question)
+    elif name == "specreason_plain":
+        trace = SpecReasoner(plain_drafter, base, config).solve(problem.question)
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    trace.method, trace.problem_id, trace.reference = method, problem.id, problem.answer
+    trace.correct = answers_match(trace.answer, problem.answer, kind=problem.kind) if trace.answer is not None else False
+    return trace
+
+
+def calibrate(judge: Backend, solutions, out_dir: str | Path, max_steps: int = 12, progress: bool = True) -> dict:
+    """Score every step of CHAMP's annotated solutions with the judge (each step judged after the
+    ones before it, as SpecReason would) and measure how well the score separates steps before
+    the first wrong step (good) from the rest: AUROC, and per threshold the share of good steps
+    kept and of bad steps rejected (`streamspec.reason.report.calibration`). Scores are appended
+    to ``calibration.jsonl`` per solution, so the run resumes."""
+    from tqdm.auto import tqdm
+
+    from .report import calibration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / CALIBRATION_FILE
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] \
+        if path.is_file() else []
+    done = {row["key"] for row in rows}
+    with path.open("a", encoding="utf-8") as handle:
+        for number, solution in enumerate(tqdm(solutions, desc="calibration", unit="solution", disable=not progress)):
+            key = f"{solution.problem_id}/{number}"
+            if key in done:
+                continue
+            judge.start(solution.question)
+            for k, step in enumerate(solution.steps[:max_steps]):
+                verdict = judge.judge(step if step.endswith("\n\n") else step.rstrip("\n") + "\n\n")
+                good = solution.first_wrong_step is None or k < solution.first_wrong_step
+                row = {"key": key, "step": k, "good": good, "argmax": verdict.score("argmax"),
+                       "expected": verdict.score("expected")}
+                handle.write(json.dumps(row) + "\n")
+                rows.append(row)
+            handle.flush()
+    result = {how: calibration([(row[how], row["good"]) for row in rows]) for how in ("argmax", "expected")}
+    result["steps"] = len(rows)
+    result["solutions"] = len({row["key"] for row in rows})
+    (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
