@@ -174,3 +174,30 @@ def test_calibration():
     assert by_t[7]["good_accepted"] == pytest.approx(3 / 4) and by_t[7]["bad_rejected"] == pytest.approx(2 / 3)
     assert by_t[9]["good_accepted"] == pytest.approx(1 / 4) and by_t[9]["bad_rejected"] == 1.0
     assert calibration([(5, True)])["auroc"] is None
+
+
+def test_methods_named_with_their_threshold():
+    """The evaluation names runs "specreason@7": kept as is, threshold read from the name."""
+    base = [_trace("base_only", "a", 10.0, threshold=9.0)]
+    runs = [_trace("specreason@7", "a", 5.0, threshold=7.0, steps=_steps([(8, "drafter")])),
+            _trace("specreason@9", "a", 20.0, threshold=9.0, steps=_steps([(8, "base")])),
+            _trace("specreason_plain@7", "a", 8.0, threshold=7.0, steps=_steps([(8, "drafter")]))]
+    summary = summarize(base + runs)
+    assert list(summary["methods"]) == ["base_only", "specreason@7", "specreason@9", "specreason_plain@7"]
+    s7, s9 = summary["methods"]["specreason@7"], summary["methods"]["specreason@9"]
+    assert (s7["method"], s7["threshold"]) == ("specreason", 7.0)
+    assert (s9["method"], s9["threshold"]) == ("specreason", 9.0)
+    assert summary["methods"]["specreason_plain@7"]["method"] == "specreason_plain"
+    assert summary["methods"]["base_only"]["threshold"] is None
+    assert s7["speedup"]["total"] == pytest.approx(2.0) and s9["speedup"]["total"] == pytest.approx(0.5)
+
+
+def test_markdown_shows_calibration():
+    cal = calibration([(9, True), (8, True), (3, False), (8, False)])
+    summary = summarize([_trace("base_only", "a", 1.0)])
+    summary["calibration"] = {"argmax": cal, "expected": cal, "steps": 4}
+    table = markdown(summary)
+    assert f"`argmax`: AUROC {cal['auroc']:.3f} over 2 good and 2 bad steps" in table
+    assert "| 9 | 50.0% | 100.0% | 50.0% | 100.0% |" in table
+    summary["calibration"] = cal
+    assert "`judge`: AUROC" in markdown(summary)

@@ -36,15 +36,26 @@ def _threshold(trace: ReasonTrace) -> float | None:
 
 def method_key(method: str, threshold: float | None) -> str:
     """``"specreason@7"`` for a method run at a threshold, else the method's name."""
-    return method if threshold is None else f"{method}@{threshold:g}"
+    return method if threshold is None or "@" in method else f"{method}@{threshold:g}"
+
+
+def _split_method(method: str) -> tuple[str, float | None]:
+    """A method name that carries its threshold (``"specreason@7"``) -> (``"specreason"``, 7.0)."""
+    name, _, threshold = method.partition("@")
+    try:
+        return name, float(threshold) if threshold else None
+    except ValueError:
+        return method, None
 
 
 def group_traces(traces: Iterable[ReasonTrace]) -> dict[str, list[ReasonTrace]]:
     """Traces by `method_key`, in order of first appearance.
 
-    Every trace records the whole configuration, threshold included, but a threshold only means
-    something to a method that judges steps: a method is keyed by threshold when any of its traces
-    holds a judged step (``base_only`` and ``drafter_only`` keep their plain names).
+    A method named with its threshold (``"specreason@7"``, as the evaluation names them) keeps
+    its name. Otherwise: every trace records the whole configuration, threshold included, but a
+    threshold only means something to a method that judges steps, so a method is keyed by the
+    configured threshold when any of its traces holds a judged step (``base_only`` and
+    ``drafter_only`` keep their plain names).
     """
     return {key: group for key, (_, group) in _groups(traces).items()}
 
@@ -54,7 +65,8 @@ def _groups(traces: Iterable[ReasonTrace]) -> dict[str, tuple[float | None, list
     judged = {t.method for t in traces if t.drafted_steps}
     groups: dict[str, tuple[float | None, list[ReasonTrace]]] = {}
     for t in traces:
-        threshold = _threshold(t) if t.method in judged else None
+        named = _split_method(t.method)[1]
+        threshold = named if named is not None else _threshold(t) if t.method in judged else None
         groups.setdefault(method_key(t.method, threshold), (threshold, []))[1].append(t)
     return groups
 
@@ -112,7 +124,7 @@ def _summarize_group(traces: list[ReasonTrace], threshold: float | None) -> dict
     token_kinds = sorted({k for t in traces for k in t.tokens})
     errors = [t for t in traces if t.stop_reason == "error" or t.error]
     return {
-        "method": traces[0].method,
+        "method": _split_method(traces[0].method)[0],
         "threshold": threshold,
         "n": n,
         "problems": len({_problem_key(t) for t in traces}),
@@ -196,7 +208,27 @@ def markdown(summary: dict[str, Any]) -> str:
     for key, e in summary["methods"].items():
         stops = ", ".join(f"{k} {v}" for k, v in sorted(e["stop_reasons"].items()))
         lines.append(f"| {key} | " + " | ".join(_fmt(e["seconds"][p], 1) for p in PHASES) + f" | {stops} |")
+    if summary.get("calibration"):
+        lines += ["", *_calibration_lines(summary["calibration"])]
     return "\n".join(lines) + "\n"
+
+
+def _calibration_lines(result: dict[str, Any]) -> list[str]:
+    """A `calibration` result (or a dict of them by score type) as Markdown."""
+    named = {"judge": result} if "thresholds" in result else {
+        name: value for name, value in result.items() if isinstance(value, dict) and "thresholds" in value}
+    lines = ["Judge calibration (good: steps before the first wrong step):", ""]
+    for name, cal in named.items():
+        lines.append(f"- `{name}`: AUROC {_fmt(cal['auroc'], 3)} over {cal['good']} good and {cal['bad']} bad steps")
+    lines += ["", "| threshold | " + " | ".join(
+        f"{name} good kept | {name} bad rejected" for name in named) + " |", "|" + "---|" * (1 + 2 * len(named))]
+    for t in THRESHOLDS:
+        cells = []
+        for cal in named.values():
+            row = next((r for r in cal["thresholds"] if r["threshold"] == t), {})
+            cells += [_fmt(row.get("good_accepted"), percent=True), _fmt(row.get("bad_rejected"), percent=True)]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def save_report(summary: dict[str, Any], traces: list[ReasonTrace], out_dir: str | Path) -> dict[str, Path]:
