@@ -223,3 +223,20 @@ def test_grading_never_hangs_or_raises(predicted):
     assert answers_match(predicted, "1", "math") is False
     assert answers_match(predicted, "1", "numeric") is False
     assert time.perf_counter() - start < 5
+
+
+def test_symbolic_check_keeps_a_callers_timer():
+    import signal
+
+    if not hasattr(signal, "setitimer"):
+        pytest.skip("no interval timers here")
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        assert answers_match("x^2+2x+1", "(x+1)^2", "math")  # goes through the bounded sympy check
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 20.0 < remaining <= 30.0 and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
