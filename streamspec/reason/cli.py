@@ -98,7 +98,8 @@ def _backends(setup: ReasonSetup, need_plain: bool = False):
     return base, drafter, judge, plain
 
 
-def run_reason(args, out=sys.stdout) -> int:
+def run_reason(args, out=None) -> int:
+    out = out or sys.stdout
     from .reasoner import SpecReasoner
 
     setup = setup_from_args(args)
@@ -134,7 +135,8 @@ def run_reason(args, out=sys.stdout) -> int:
     return 0 if trace.stop_reason != "error" else 1
 
 
-def run_reason_eval(args, out=sys.stdout) -> int:
+def run_reason_eval(args, out=None) -> int:
+    out = out or sys.stdout
     from .evaluate import calibrate, evaluate
     from .report import markdown, save_report, summarize
     from .tasks import champ_annotated_solutions, load_problems

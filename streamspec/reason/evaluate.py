@@ -95,6 +95,11 @@ def evaluate(problems: list[Problem], config: ReasonConfig, out_dir: str | Path,
         raise ValueError(f"methods {unknown} cannot run with these backends; available: {available}")
     path = out / TRACES_FILE
     traces = read_traces(path)
+    if path.is_file() and len(traces) != sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()):
+        # a run stopped mid-line: keep the whole traces only, so new lines append cleanly
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(t.to_dict()) + "\n" for t in traces), encoding="utf-8")
+        tmp.replace(path)
     done = {_key(t.method, t.problem_id, t.problem) for t in traces if t.stop_reason != "error"}
     todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if _key(m, p.id, p.question) not in done]
     if len(todo) < len(problems) * len(methods):
