@@ -224,3 +224,15 @@ def test_rejections_hand_the_step_to_the_base(tiny):
     alone = spec.base_only(PROBLEM)
     assert "".join(s.text for s in trace.steps)[:40] == "".join(s.text for s in alone.steps)[:40]
     assert trace.tokens["total"] <= cfg.token_budget
+
+
+def test_a_streamed_base_keeps_its_own_outputs(tiny):
+    """Lossless streams on the base speed up its rewrites and change nothing it writes or judges."""
+    tokenizer, base, drafter = tiny
+    streamed_base = add_streams(base, StreamConfig(stream_layers=2, mode="lossless")).eval()
+    cfg = ReasonConfig(threshold=9, score="expected", **CFG)
+    plain = SpecReasoner(LocalBackend(drafter, tokenizer), LocalBackend(base, tokenizer), cfg).solve(PROBLEM)
+    fast = SpecReasoner(LocalBackend(drafter, tokenizer), LocalBackend(streamed_base, tokenizer), cfg).solve(PROBLEM)
+    assert fast.stop_reason != "error", fast.error
+    assert fast.text == plain.text
+    assert [s.score for s in fast.steps] == pytest.approx([s.score for s in plain.steps], abs=1e-4)
