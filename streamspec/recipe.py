@@ -21,7 +21,7 @@ from .assets import DEFAULT_MODEL_ID
 from .config import StreamConfig
 from .data.build import OVERFLOW
 
-TASKS = ("sql", "summarize", "custom")
+TASKS = ("sql", "summarize", "gsm8k_solutions", "custom")
 DTYPES = ("float32", "bfloat16", "float16")
 REPORT_TO = ("wandb", "none")
 

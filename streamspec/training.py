@@ -29,6 +29,7 @@ from .assets import load_base_model, load_tokenizer
 from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, load_adapter_weights, load_stream_weights, read_checkpoint_meta
 from .data.aclsum import load_aclsum
 from .data.build import PadCollator, load_rows, log_stats, tokenize_rows
+from .data.reasoning import load_gsm8k_solutions
 from .data.spider import load_spider
 from .model import StreamedModel, add_streams
 from .recipe import Recipe
@@ -80,6 +81,8 @@ def task_rows(recipe: Recipe, split: str) -> list[dict]:
         return load_spider(split)
     if data.task == "summarize":
         return load_aclsum(split)
+    if data.task == "gsm8k_solutions":
+        return load_gsm8k_solutions(split)
     if split != "train" and not data.has_validation:
         return []
     common = dict(prompt_field=data.prompt_field, completion_field=data.completion_field, messages_field=data.messages_field)
