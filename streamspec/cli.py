@@ -102,6 +102,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every method with torch's default CPU linear kernels (default: packed oneDNN kernels "
                          "for all, plus a baseline row with the default ones)")
     add_device_args(ev)
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (speculative streaming for streamed checkpoints)")
+    srv.add_argument("--checkpoint", required=True,
+                     help="a streamed checkpoint folder, or any causal LM: a folder, a hub id, "
+                          "streamspec:SmolLM2-135M-Instruct, a .gguf file")
+    srv.add_argument("--gguf-file", default=None, help="the GGUF file's name inside the --checkpoint folder")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; no authentication)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --checkpoint)")
+    srv.add_argument("--tree-top-k", type=tree_arg, default=3, help="candidates per stream, or per depth: 3,1,1")
+    srv.add_argument("--prune-threshold", type=float, default=None)
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="the most tokens (prompt + completion) a request may use (default: the model's context)")
+    srv.add_argument("--default-kernels", action="store_true", help="torch's default CPU linear kernels")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_device_args(srv)
     from .reason.cli import add_reason_commands
 
     add_reason_commands(sub)
@@ -148,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), max_new_tokens=args.max_new_tokens,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
+    elif args.command == "serve":
+        from .serving import serve
+
+        serve(args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+              tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold, max_model_len=args.max_model_len,
+              served_model_name=args.served_model_name, gguf_file=args.gguf_file,
+              cpu_kernels=not args.default_kernels, log_level=args.log_level)
     elif args.command in ("reason", "reason-eval"):
         from .reason.cli import dispatch
 
