@@ -148,7 +148,7 @@ def load_for_inference(
         path, gguf_file = path.parent, path.name
     local = path.exists()
     if not local and text != DEFAULT_MODEL_ID and _looks_like_path(text):
-        raise FileNotFoundError(f"model folder {text} does not exist")
+        raise FileNotFoundError(f"{text} does not exist (neither a model folder nor a file here)")
     if local and not path.is_dir():
         raise ValueError(f"{text} is a file, not a model folder (for a GGUF file pass the folder and gguf_file=)")
     if gguf_file is not None and not (path / gguf_file).is_file():

@@ -31,6 +31,7 @@ from streamspec import DEFAULT_MODEL_ID, StreamConfig, add_streams
 from streamspec.checkpoint import export_checkpoint, merge_adapter
 from streamspec.cli import main as cli_main
 from streamspec.decoding import generate
+from streamspec.inference import generate_text
 from streamspec.kernels import PackedLinear, cpu_kernels_available
 from streamspec.loading import base_dtype, load_for_inference, resolve_device, resolve_dtype
 
@@ -87,9 +88,7 @@ def streamed_dirs(tiny_dir, tmp_path_factory):
             if "lora_B" in name or "streams" in name:
                 p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(root / "adapter")
-    from streamspec.loading import load_for_inference as load  # noqa: F401  (the module under test)
-
-    model.save_pretrained(root / "merged", merge=True, tokenizer=load(tiny_dir, cpu_kernels=False).tokenizer)
+    model.save_pretrained(root / "merged", merge=True, tokenizer=load_for_inference(tiny_dir, cpu_kernels=False).tokenizer)
     return {"adapter": root / "adapter", "merged": root / "merged"}
 
 
@@ -186,8 +185,6 @@ def test_errors(tmp_path, tiny_dir):
     with pytest.raises(ValueError, match="device"):
         load_for_inference(tiny_dir, device="tpu")
     with pytest.raises(ValueError, match="not a streamed checkpoint"):
-        from streamspec.inference import generate_text
-
         generate_text(tiny_dir, "hi", max_new_tokens=2)
 
 
