@@ -252,7 +252,7 @@ class Engine:
             raise ValueError(f"max_model_len {max_model_len} exceeds what the model can hold ({limit} tokens)")
         self.max_model_len = max_model_len or limit
         self.eos = self._eos_ids()
-        self.vocab = len(self.tokenizer)
+        self.vocab = self.model.config.vocab_size  # the ids the embedding takes
         self.lock = threading.Lock()
         self.metrics = Metrics()
 
