@@ -150,7 +150,8 @@ def test_yaml_config_and_overrides(tmp_path):
 
 
 def test_text_stop():
-    assert TextStop(delimiter="\n\n").end("\n\nabc\n\ndef") == 7  # leading blank lines are no step
+    assert TextStop(delimiter="\n\n").end("\n\nabc\n\ndef") == 2  # as servers cut: an empty step
+    assert TextStop(delimiter="\n\n").end("abc.\n\ndef") == 6
     assert TextStop(delimiter="\n\n").end("abc") is None
     assert TextStop(boxed=True).end("\\frac{1}{2}} more") == 12
     assert TextStop(boxed=True).end("12") is None

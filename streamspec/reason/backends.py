@@ -122,9 +122,9 @@ class Backend(ABC):
 
 
 class TextStop:
-    """Where a generated text is complete: after `delimiter` (once something other than
-    whitespace came before it), or, with `boxed`, when the ``\\boxed{`` that the text continues
-    closes."""
+    """Where a generated text is complete: after the first `delimiter` (as servers apply stop
+    strings: a text that starts with it is an empty step), or, with `boxed`, when the ``\\boxed{``
+    that the text continues closes."""
 
     def __init__(self, delimiter: str | None = None, boxed: bool = False) -> None:
         if (delimiter is None) == (not boxed):
@@ -134,8 +134,7 @@ class TextStop:
     def end(self, text: str) -> int | None:
         """The length of the complete text, or None if it is not complete yet."""
         if self.delimiter is not None:
-            start = len(text) - len(text.lstrip())
-            at = text.find(self.delimiter, start)
+            at = text.find(self.delimiter)
             return None if at < 0 else at + len(self.delimiter)
         depth = 1
         for i, ch in enumerate(text):
@@ -400,14 +399,18 @@ class ServerBackend(Backend):
         reply = self._complete(body)
         choice = reply["choices"][0]
         text = choice.get("text") or ""
-        if stop.delimiter is not None and choice.get("finish_reason") == "stop" and text.strip():
-            if not text.endswith(stop.delimiter):
-                text += stop.delimiter  # servers leave the stop string out of the text
+        stopped = choice.get("finish_reason") == "stop"
+        if "stop_reason" in choice:  # vLLM and streamspec serve say which stop string ended the text
+            hit = stopped and choice["stop_reason"] == stop.delimiter
+        else:  # others do not: an end-of-text token that follows a complete step is taken for it
+            hit = stopped and bool(text.strip())
+        if stop.delimiter is not None and hit and not text.endswith(stop.delimiter):
+            text += stop.delimiter  # servers leave the stop string out of the text
         end = stop.end(text)
         if end is not None:
             text = text[:end]
         tokens = int((reply.get("usage") or {}).get("completion_tokens") or 0)
-        ended = choice.get("finish_reason") == "stop" and (stop.delimiter is None or not text.endswith(stop.delimiter))
+        ended = stopped and not hit
         self.text += text
         return Generation(text=text, tokens=tokens, passes=None, seconds=time.perf_counter() - start, ended=ended)
 

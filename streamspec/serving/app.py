@@ -126,7 +126,8 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None, tre
             return _stream(engine, job, request, chunk, body, start=None)
         result = await _run(engine, job, request)
         logprobs = completion_logprobs(engine, result.scores, 0) if result.scores is not None else None
-        choice = CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=_reason(result))
+        choice = CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=_reason(result),
+                                  stop_reason=result.stop_string)
         return dump(CompletionResponse(id=rid, created=created, model=name, choices=[choice],
                                        usage=_usage(job, result), streamspec=result.stats))
 

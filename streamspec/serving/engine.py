@@ -65,6 +65,7 @@ class Result:
     finish_reason: str  # "stop" | "length" | "cancelled"
     scores: list[TokenScore] | None
     stats: DecodeStats
+    stop_string: str | None = None  # which stop string ended the text (vLLM's stop_reason)
 
 
 class Text:
@@ -79,6 +80,7 @@ class Text:
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -104,6 +106,7 @@ class Text:
             if hit is not None:
                 break
         del self.tokens[base + i:]
+        self.matched = next(s for s in self.stop if text.find(s, start) == hit)
         self.text, self.stopped = text[:hit], True
         return tokens[:i]
 
@@ -387,7 +390,7 @@ class Engine:
                             accepted_per_pass=list(accepted), decode_seconds=round(seconds, 4),
                             tokens_per_second=round(generated / seconds, 2) if seconds > 0 else 0.0)
         result = Result(tokens=list(text.tokens), text=text.text, finish_reason=reason,
-                        scores=scores if scorer is not None else None, stats=stats)
+                        scores=scores if scorer is not None else None, stats=stats, stop_string=text.matched)
         self.metrics.add(len(job.prompt_ids), result)
         return result
 

