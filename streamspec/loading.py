@@ -138,7 +138,7 @@ def load_for_inference(
         cpu_kernels: on a CPU in float32, run the linear layers through packed oneDNN kernels
             (`streamspec.kernels`); ignored elsewhere.
     """
-    from .assets import DEFAULT_MODEL_ID
+    from .assets import BUILTIN_PREFIX
 
     target = resolve_device(device)
     precision = resolve_dtype(dtype, target)
@@ -147,7 +147,7 @@ def load_for_inference(
     if text.endswith(".gguf") and gguf_file is None and path.is_file():
         path, gguf_file = path.parent, path.name
     local = path.exists()
-    if not local and text != DEFAULT_MODEL_ID and _looks_like_path(text):
+    if not local and not text.startswith(BUILTIN_PREFIX) and _looks_like_path(text):
         raise FileNotFoundError(f"{text} does not exist (neither a model folder nor a file here)")
     if local and not path.is_dir():
         raise ValueError(f"{text} is a file, not a model folder (for a GGUF file pass the folder and gguf_file=)")
@@ -201,14 +201,13 @@ def _causal_lm(name: str, dtype: torch.dtype, device_map, gguf_file: str | None)
     """A transformers causal LM with sdpa attention, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from .assets import DEFAULT_MODEL_ID, load_default_model
+    from .assets import BUILTIN_PREFIX, builtin_model_path, load_base_model
 
-    if name == DEFAULT_MODEL_ID and device_map is None:
-        return load_default_model(dtype=dtype)
-    if name == DEFAULT_MODEL_ID:
-        from .assets import default_model_path
-
-        name = str(default_model_path())
+    if name.startswith(BUILTIN_PREFIX) and gguf_file is None:
+        # the built-in models (streamspec:SmolLM2-135M-Instruct, the opt-in Qwen ones) live in the cache
+        if device_map is None:
+            return load_base_model(name, dtype=dtype)
+        name = builtin_model_path(name)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
     if device_map is not None:
         kwargs["device_map"] = device_map
