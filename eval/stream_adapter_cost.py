@@ -45,9 +45,11 @@ def main() -> None:
                         model.streams.adapters = adapters
                     else:
                         del model.streams.adapters
+                    model.insert_stream_modules()  # the adapter wrappers follow what streams holds
                     out = generate(model, ids, args.max_new_tokens, speculative=False)
                     steps[name] += out.seconds_per_pass[1:]
     model.streams.adapters = adapters
+    model.insert_stream_modules()
     result = {name: round(1000 * statistics.median(times), 2) for name, times in steps.items()}
     result["difference_ms"] = round(result["with_adapters"] - result["without_adapters"], 2)
     print(json.dumps(result))

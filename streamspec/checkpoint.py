@@ -27,6 +27,7 @@ from torch import nn
 
 from .config import StreamConfig
 from .model import StreamedModel, add_streams
+from .stream_modules import remove_stream_modules, stream_modules_taken_out
 
 FORMAT = "streamspec-streamed-checkpoint"
 FORMAT_VERSION = 1
@@ -54,6 +55,7 @@ def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = Fal
     adapter = None
     if merge:
         base = copy.deepcopy(model.base)
+        remove_stream_modules(base)  # saved as the plain transformers model it is
         if model.has_lora:
             base = base.merge_and_unload()
         base.save_pretrained(out)
@@ -61,7 +63,8 @@ def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = Fal
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
     elif model.has_lora:
-        model.base.save_pretrained(out / ADAPTER_DIR)
+        with stream_modules_taken_out(model.hf_model):  # peft's own layout: it loads without them
+            model.base.save_pretrained(out / ADAPTER_DIR)
         adapter = ADAPTER_DIR
     if not merge and not base_ref["name_or_path"]:
         raise CheckpointError(
@@ -186,7 +189,8 @@ def load_adapter_weights(model: nn.Module, folder: Path) -> None:
     if not weights.is_file():
         raise CheckpointError(f"the adapter in {folder} is incomplete (adapter_model.safetensors missing)")
     try:
-        result = set_peft_model_state_dict(model, load_file(weights))
+        with stream_modules_taken_out(model):  # peft finds its layers where its layout names them
+            result = set_peft_model_state_dict(model, load_file(weights))
     except RuntimeError as err:  # size mismatch
         raise CheckpointError(f"the adapter in {folder} does not fit the base model: {err}") from err
     missing = sorted(k for k in result.missing_keys if "lora_" in k)

@@ -9,16 +9,17 @@ A `StreamedModel` owns the HF causal LM (optionally wrapped by peft) and the few
 
 Just before the MSA layers, a rank-`prune_rank` adapter and the model's own final norm and LM
 head give the early-exit logits used to prune draft trees.
+
+What acts on stream rows inside the MSA layers (value rotation, stream adapters) is a set of
+wrapper modules put in place of the layers' own modules once (`streamspec.stream_modules`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers.utils import ModelOutput
 
 from .arch import ArchSpec, arch_spec, sliding_window
@@ -35,6 +36,16 @@ from .layout import (
     to_bias,
 )
 from .loss import cross_entropy_and_top1, frozen, weighted_cross_entropy
+from .stream_modules import (
+    STREAM_ROWS,
+    StreamAdapter,
+    StreamModule,
+    StreamRows,
+    ValueRotation,
+    remove_stream_modules,
+    replace_submodule,
+    unwrap,
+)
 
 
 @dataclass
@@ -105,7 +116,9 @@ class StreamParameters(nn.Module):
 class StreamAdapters(nn.Module):
     """Stream-only low-rank adapters: for each MSA layer and each of its linear layers, a residual
     ``up(down(x))`` added to that linear's output on stream rows only (``up`` starts at zero, so
-    the streams start as without adapters). Keys are the linear's name inside its layer."""
+    the streams start as without adapters). Keys are the linear's name inside its layer. The
+    weights live here (and are saved from here); a `StreamAdapter` wrapper in place of each linear
+    applies them."""
 
     def __init__(self, targets: list[list[tuple[str, int, int]]], rank: int) -> None:
         super().__init__()
@@ -133,8 +146,8 @@ def _adapter_target(key: str) -> str:
 
 def linear_targets(layer: nn.Module) -> list[tuple[str, int, int]]:
     """The linear layers of a decoder layer as ``(name, in_features, out_features)``: ``nn.Linear``,
-    GPT-2's ``Conv1D``, and a peft LoRA wrapper counted as the one layer it wraps (its insides are
-    skipped), so the names are the same with and without a LoRA adapter attached."""
+    GPT-2's ``Conv1D``, and a peft LoRA wrapper or a stream module counted as the one layer it
+    wraps (its insides are skipped), so the names are the same with and without them."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from transformers.pytorch_utils import Conv1D
 
@@ -143,8 +156,9 @@ def linear_targets(layer: nn.Module) -> list[tuple[str, int, int]]:
     for name, module in layer.named_modules():
         if not name or any(name.startswith(prefix + ".") for prefix in taken):
             continue
-        if isinstance(module, BaseTunerLayer):
-            inner = module.get_base_layer()
+        if isinstance(module, (BaseTunerLayer, StreamModule)):
+            inner = unwrap(module)
+            inner = inner.get_base_layer() if isinstance(inner, BaseTunerLayer) else inner
         elif isinstance(module, (nn.Linear, Conv1D)):
             inner = module
         else:
@@ -195,6 +209,10 @@ class StreamedModel(nn.Module):
         if config.mode == "lossless":
             for p in self.base.parameters():
                 p.requires_grad_(False)
+        self._rows = StreamRows()
+        self._stream_hooks: list = []
+        self._has_stream_modules = False
+        self.insert_stream_modules()
 
     # -- the model's own modules ----------------------------------------------------------------
     @property
@@ -248,8 +266,46 @@ class StreamedModel(nn.Module):
             raise ValueError(_LOSSLESS_NO_LORA)
         if self.has_lora:
             raise ValueError("a LoRA adapter is already attached")
+        # peft must find its targets as the plain linears they are; the stream modules then go
+        # around the LoRA layers (a value rotation must turn the values LoRA has adapted too)
+        self.remove_stream_modules()
         self.base = get_peft_model(self.base, lora_config)
+        self.insert_stream_modules()
         return self
+
+    def insert_stream_modules(self) -> None:
+        """Put the stream modules in place in the MSA layers, as the stream config and the stream
+        adapters `streams` holds now ask (replacing any already there): a `ValueRotation` around the
+        value projection for ``stream_init="value_rotation"``, a `StreamAdapter` around each
+        linear with an adapter. Done once by the constructor and by `add_lora`; call it again after
+        replacing `streams.adapters`."""
+        self.remove_stream_modules()
+        cfg = self.stream_config
+        adapters = getattr(self.streams, "adapters", None)
+        if cfg.stream_init != "value_rotation" and adapters is None:
+            return
+        attention = self.arch.value_proj.rpartition(".")[0]  # the module holding the value projection
+        for i, layer in enumerate(self.layers[self.num_lower_layers :]):
+            if cfg.stream_init == "value_rotation":
+                replace_submodule(
+                    layer, self.arch.value_proj,
+                    lambda m: ValueRotation(m, self._rows, cfg.num_streams, self.arch.value_part),
+                )
+            if adapters is not None:
+                for key, pair in adapters.layers[i].items():
+                    replace_submodule(layer, _adapter_target(key), lambda m, pair=pair: StreamAdapter(m, self._rows, pair))
+            # the row split reaches them through the attention's keyword arguments (see StreamRows)
+            hook = layer.get_submodule(attention).register_forward_pre_hook(self._rows.take, with_kwargs=True)
+            self._stream_hooks.append(hook)
+        self._has_stream_modules = True
+
+    def remove_stream_modules(self) -> None:
+        """Put the MSA layers' own modules back (see `insert_stream_modules`)."""
+        for hook in self._stream_hooks:
+            hook.remove()
+        self._stream_hooks.clear()
+        self._has_stream_modules = False
+        remove_stream_modules(self.hf_model)
 
     def save_pretrained(self, directory, merge: bool = False, tokenizer=None):
         """Write a streamed checkpoint: only the new weights (and LoRA adapter), or with
@@ -264,9 +320,9 @@ class StreamedModel(nn.Module):
         return sum(p.numel() for p in self.streams.parameters())
 
     # -- forward pieces (shared by training and decoding) ---------------------------------------
-    def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache):
+    def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache, **kwargs):
         extra = {"position_ids": position_ids, "position_embeddings": position_embeddings} if self.arch.rotary else {}
-        out = layer(hidden, attention_mask=bias, cache=cache, **extra)
+        out = layer(hidden, attention_mask=bias, cache=cache, **extra, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def _rotary(self, hidden, position_ids):
@@ -303,7 +359,8 @@ class StreamedModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MSA layers. Streams are made for the positions in `index` [B, S] (see
         `streamspec.layout`); returns main [B, T, h] and stream [B, S, γ, h] final hidden states
-        (before the final norm)."""
+        (before the final norm). Each layer call tells the stream modules, if any, how many leading
+        rows are main rows (see `streamspec.stream_modules.StreamRows`)."""
         batch, num_new, width = hidden.shape
         g = self.stream_config.num_streams
         num_slots = index.shape[1]
@@ -316,81 +373,19 @@ class StreamedModel(nn.Module):
         rotary = self._rotary(x, pos)
         if cache is not None:
             cache.main_length = num_new
-        with self._value_rotation(num_new, num_slots), self._stream_adapters(num_new, num_slots):
-            for layer in self.layers[self.num_lower_layers :]:
-                x = self._call_layer(layer, x, bias, pos, rotary, cache)
+        rows = {STREAM_ROWS: num_new} if self._has_stream_modules else {}
+        for layer in self.layers[self.num_lower_layers :]:
+            self._rows.num_main = None
+            x = self._call_layer(layer, x, bias, pos, rotary, cache, **rows)
+            if rows and self._rows.num_main != num_new:
+                raise RuntimeError(
+                    f"{type(layer).__name__} did not pass its keyword arguments on to its attention module: the "
+                    "stream modules cannot tell stream rows from main rows"
+                )
+        self._rows.num_main = None  # what runs next may be the plain model's own forward
         if cache is not None:
             cache.main_length = None
         return x[:, :num_new], x[:, num_new:].reshape(batch, num_slots, g, width)
-
-    @contextlib.contextmanager
-    def _value_rotation(self, num_main: int, num_slots: int):
-        """For stream_init='value_rotation': rotate stream j's attention values by j·π/(γ+1) in
-        each consecutive pair of value channels, in the MSA layers only. Hooks are attached per
-        call so that they follow whatever module (a LoRA wrapper, say) currently sits there."""
-        if self.stream_config.stream_init != "value_rotation" or num_slots == 0:
-            yield
-            return
-        g = self.stream_config.num_streams
-        angle = torch.arange(1, g + 1, dtype=torch.float32) * (math.pi / (g + 1))
-        angle = torch.cat([torch.zeros(num_main), angle.repeat(num_slots)])
-        part = self.arch.value_part
-
-        def hook(module, args, out):
-            width = out.shape[-1] // part[1] if part else out.shape[-1]
-            start = part[0] * width if part else 0
-            v = out[..., start : start + width]
-            pairs = v.unflatten(-1, (-1, 2))
-            cos = angle.cos().to(v)[:, None]
-            sin = angle.sin().to(v)[:, None]
-            x0, x1 = pairs[..., 0], pairs[..., 1]
-            rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
-            return torch.cat([out[..., :start], rotated, out[..., start + width :]], dim=-1)
-
-        handles = [
-            layer.get_submodule(self.arch.value_proj).register_forward_hook(hook)
-            for layer in self.layers[self.num_lower_layers :]
-        ]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    @contextlib.contextmanager
-    def _stream_adapters(self, num_main: int, num_slots: int):
-        """With stream_adapter_rank: add each adapter's output to its linear layer's output on the
-        stream rows (those after the first `num_main`) of the MSA layers. Hooks are attached per
-        call, like `_value_rotation`, so they follow the module that currently sits there."""
-        adapters = getattr(self.streams, "adapters", None)
-        if adapters is None or num_slots == 0:
-            yield
-            return
-
-        def hook_for(pair):
-            down, up = pair.down.weight, pair.up.weight
-
-            def hook(module, args, out):
-                # F.linear on the weights: two module calls per linear per pass would cost more
-                # than the products themselves on a few decoding rows
-                delta = F.linear(F.linear(args[0][:, num_main:], down), up)
-                if torch.is_grad_enabled():
-                    return torch.cat([out[:, :num_main], out[:, num_main:] + delta], dim=1)
-                out[:, num_main:] += delta
-                return out
-
-            return hook
-
-        handles = []
-        try:
-            for layer, layer_adapters in zip(self.layers[self.num_lower_layers :], adapters.layers):
-                for key, pair in layer_adapters.items():
-                    module = layer.get_submodule(_adapter_target(key))
-                    handles.append(module.register_forward_hook(hook_for(pair)))
-            yield
-        finally:
-            for h in handles:
-                h.remove()
 
     # -- training / scoring forward -------------------------------------------------------------
     def forward(
