@@ -96,3 +96,20 @@ def test_reason_command_refuses_missing_roles(folders):
         main(["reason", "--base", str(base), "--problem", "x"])
     with pytest.raises(ValueError, match="threshold"):
         main(["reason", "--base", str(base), "--drafter", str(base), "--problem", "x", "--threshold", "12"])
+
+
+def test_runs_that_ended_in_an_error_are_run_again(folders, tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from streamspec.reason.trace import ReasonTrace
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa").eval()
+    base = LocalBackend(model, tokenizer, name="base")
+    problems = [Problem("a", "What is 2+3?", "5", "numeric")]
+    failed = ReasonTrace(problem="What is 2+3?", method="base_only", problem_id="a", stop_reason="error", error="x")
+    (tmp_path / TRACES_FILE).write_text(json.dumps(failed.to_dict()) + "\n")
+    cfg = ReasonConfig(token_budget=16, step_max_tokens=8, answer_max_tokens=4, temperature=0.0)
+    traces = evaluate(problems, cfg, tmp_path, base=base, drafter=None, progress=False)
+    assert [t.stop_reason for t in traces] != ["error"] and len(traces) == 1
+    assert len(read_traces(tmp_path / TRACES_FILE)) == 1

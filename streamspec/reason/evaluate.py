@@ -10,7 +10,8 @@ Methods (each a `ReasonTrace.method` name):
   add end to end.
 
 Results go to ``traces.jsonl`` one trace per line as each finishes, so an interrupted run resumes
-where it stopped (finished (method, problem) pairs are skipped); then ``summary.json``,
+where it stopped (finished (method, problem) pairs are skipped; runs that ended in a backend error
+are run again); then ``summary.json``,
 ``summary.md`` and the plots (`streamspec.reason.report`).
 """
 
@@ -94,13 +95,18 @@ def evaluate(problems: list[Problem], config: ReasonConfig, out_dir: str | Path,
     if unknown:
         raise ValueError(f"methods {unknown} cannot run with these backends; available: {available}")
     path = out / TRACES_FILE
-    traces = read_traces(path)
-    if path.is_file() and len(traces) != sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()):
-        # a run stopped mid-line: keep the whole traces only, so new lines append cleanly
+    found = read_traces(path)
+    # runs that ended in a backend error (a server that was down) are run again
+    traces = [t for t in found if t.stop_reason != "error"]
+    lines = sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()) if path.is_file() else 0
+    if lines != len(traces):
+        # keep the whole, error-free traces only, so new lines append cleanly
+        if len(found) > len(traces):
+            logger.info("running again %d runs that ended in an error", len(found) - len(traces))
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(t.to_dict()) + "\n" for t in traces), encoding="utf-8")
         tmp.replace(path)
-    done = {_key(t.method, t.problem_id, t.problem) for t in traces if t.stop_reason != "error"}
+    done = {_key(t.method, t.problem_id, t.problem) for t in traces}
     todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if _key(m, p.id, p.question) not in done]
     if len(todo) < len(problems) * len(methods):
         logger.info("resuming: %d of %d runs already in %s", len(problems) * len(methods) - len(todo),
