@@ -57,17 +57,29 @@ def default_model_path() -> Path:
         import gguf as _  # noqa: F401  (transformers needs it to read GGUF)
     except ImportError as err:
         raise RuntimeError(f"converting the default model needs the gguf package; install it with: {_INSTALL_HINT}") from err
+    print(f"streamspec: converting {gguf.name} into {target} (once, ~20 s)")
+    return convert_gguf(gguf, target)
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise `gguf` (transformers, fp32) and save it as an HF folder at `target`, atomically."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    print(f"streamspec: converting {gguf.name} into {target} (once, ~20 s)")
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # save_pretrained refuses a GGUF-loaded model while quantization_config is set: rebuild clean.
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    folder, file = str(gguf.parent), gguf.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    # save_pretrained refuses a GGUF-loaded model while quantization_config is set: rebuild it
+    # without, on the meta device, and take the loaded tensors over (assign=True: no second copy
+    # of a 7 GB model in memory).
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    del loaded
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:

