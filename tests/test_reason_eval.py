@@ -113,3 +113,13 @@ def test_runs_that_ended_in_an_error_are_run_again(folders, tiny_dir, tmp_path):
     traces = evaluate(problems, cfg, tmp_path, base=base, drafter=None, progress=False)
     assert [t.stop_reason for t in traces] != ["error"] and len(traces) == 1
     assert len(read_traces(tmp_path / TRACES_FILE)) == 1
+
+
+def test_reason_command_reads_a_yaml_config(folders, tmp_path, capsys):
+    base, drafter, _ = folders
+    config = tmp_path / "reason.yaml"
+    config.write_text(f"reason:\n  threshold: 0\n  token_budget: 30\n  step_max_tokens: 8\n  answer_max_tokens: 4\n"
+                      f"base:\n  source: {base}\n  device: cpu\ndrafter:\n  source: {drafter}\n  tree_top_k: [2, 1, 1]\n")
+    assert main(["reason", "--config", str(config), "--problem", "What is 2+3?", "--set", "reason.seed=3"]) == 0
+    printed = capsys.readouterr().out
+    assert "drafted, kept" in printed and "answer:" in printed
