@@ -3,6 +3,7 @@
 from .assets import DEFAULT_MODEL_ID, load_default_model, load_default_tokenizer
 from .checkpoint import CheckpointError, load_streamed
 from .config import StreamConfig
+from .decoding import generate
 from .model import StreamedModel, StreamedOutput, add_streams
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __all__ = [
     "StreamedModel",
     "StreamedOutput",
     "add_streams",
+    "generate",
     "load_default_model",
     "load_default_tokenizer",
     "load_streamed",

@@ -45,6 +45,8 @@ def check_device_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamspec", description="Speculative Streaming for HF causal LMs")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (default: one line 'streamspec: error: ...', status 2)")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job: streams on the default model, a short fine-tune, the benchmark")
     demo.add_argument("--example", type=int, default=0, help="index of the Spider dev question to show")
@@ -122,7 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     add_reason_commands(sub)
     args = parser.parse_args(argv)
     check_device_args(parser, args)
+    try:
+        return _run(args)
+    except Exception as err:  # one line for the user; --debug (or STREAMSPEC_DEBUG=1) for the traceback
+        if args.debug or os.environ.get("STREAMSPEC_DEBUG"):
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"streamspec: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        return 2
 
+
+def _run(args) -> int:
+    """Run the parsed subcommand."""
     if args.command == "demo":
         from .demo import introduce, run_demo
 

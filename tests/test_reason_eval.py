@@ -90,12 +90,15 @@ def test_reason_command_prints_steps_and_summary(folders, capsys):
     assert "drafted, kept (score" in printed and "answer:" in printed and "drafts kept" in printed
 
 
-def test_reason_command_refuses_missing_roles(folders):
+def test_reason_command_refuses_missing_roles(folders, capsys):
     base, _, _ = folders
-    with pytest.raises(SystemExit, match="--drafter"):
-        main(["reason", "--base", str(base), "--problem", "x"])
+    assert main(["reason", "--base", str(base), "--problem", "x"]) == 2
+    assert capsys.readouterr().err.startswith("streamspec: error: streamspec reason needs --base and --drafter")
+    assert main(["reason", "--base", str(base), "--drafter", str(base), "--problem", "x", "--threshold", "12"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "threshold must be a number in [0, 9]" in err
     with pytest.raises(ValueError, match="threshold"):
-        main(["reason", "--base", str(base), "--drafter", str(base), "--problem", "x", "--threshold", "12"])
+        main(["--debug", "reason", "--base", str(base), "--drafter", str(base), "--problem", "x", "--threshold", "12"])
 
 
 def test_runs_that_ended_in_an_error_are_run_again(folders, tiny_dir, tmp_path):

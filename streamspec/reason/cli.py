@@ -104,7 +104,7 @@ def run_reason(args, out=None) -> int:
 
     setup = setup_from_args(args)
     if setup.base is None or setup.drafter is None:
-        raise SystemExit("streamspec reason: error: give --base and --drafter (or both sections in --config)")
+        raise ValueError("streamspec reason needs --base and --drafter (or both sections in --config)")
     base, drafter, judge, _ = _backends(setup)
 
     def show(step) -> None:
@@ -142,10 +142,10 @@ def run_reason_eval(args, out=None) -> int:
     from .tasks import champ_annotated_solutions, load_problems
 
     if (args.task is None) == (args.data is None):
-        raise SystemExit("streamspec reason-eval: error: give exactly one of --task or --data")
+        raise ValueError("streamspec reason-eval needs exactly one of --task or --data")
     setup = setup_from_args(args)
     if setup.base is None and setup.drafter is None:
-        raise SystemExit("streamspec reason-eval: error: give --base and/or --drafter")
+        raise ValueError("streamspec reason-eval needs --base and/or --drafter")
     problems = load_problems(task=args.task, data=args.data, limit=args.limit, offset=args.offset)
     base, drafter, judge, plain = _backends(setup, need_plain=not args.no_plain)
     traces = evaluate(problems, setup.reason, args.out, base=base, drafter=drafter, plain_drafter=plain,
@@ -156,7 +156,7 @@ def run_reason_eval(args, out=None) -> int:
     if args.calibrate:
         judge_backend = judge or base
         if judge_backend is None:
-            raise SystemExit("streamspec reason-eval: error: --calibrate needs a base or a judge")
+            raise ValueError("streamspec reason-eval --calibrate needs a base or a judge")
         summary["calibration"] = calibrate(judge_backend, champ_annotated_solutions(limit=args.calibration_limit), args.out)
     files = save_report(summary, traces, args.out)
     out.write(markdown(summary) + "\n")
