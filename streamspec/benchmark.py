@@ -155,13 +155,16 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
 
 
 def quality(task: str, rows: list[dict], texts: list[str]) -> dict:
-    """SQL exact match and validity, or ROUGE-1/2/L/Lsum F1 (in %)."""
+    """SQL exact match and validity, or ROUGE-1/2/L/Lsum F1 (in %). A user's rows (prompt and
+    completion only) are matched against their completion; validity needs a schema, so it is
+    reported only when every row has one."""
     if task == "sql":
         n = max(len(rows), 1)
-        return {
-            "exact_match": round(100 * sum(sql_exact_match(t, r["query"]) for t, r in zip(texts, rows)) / n, 2),
-            "valid": round(100 * sum(sql_is_valid(t, r["schema"]) for t, r in zip(texts, rows)) / n, 2),
-        }
+        matched = sum(sql_exact_match(t, r.get("query", r["completion"])) for t, r in zip(texts, rows))
+        out = {"exact_match": round(100 * matched / n, 2)}
+        if all("schema" in r for r in rows):
+            out["valid"] = round(100 * sum(sql_is_valid(t, r["schema"]) for t, r in zip(texts, rows)) / n, 2)
+        return out
     from rouge_score import rouge_scorer
 
     kinds = ["rouge1", "rouge2", "rougeL", "rougeLsum"]

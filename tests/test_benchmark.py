@@ -149,3 +149,27 @@ def test_eval_entry_points_parse_their_options(name, options):
     shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
     for option in options:
         assert option in shown
+
+
+@pytest.mark.parametrize("task", ["sql", "summarize"])
+def test_eval_data_of_a_user_runs_end_to_end(task, tiny_dir, tmp_path, capsys):
+    """`streamspec eval --data` with rows that have only prompt and completion (no Spider fields):
+    quality is measured against the completion and every file is written."""
+    from streamspec.cli import main
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    add_streams(base, StreamConfig(stream_layers=2)).save_pretrained(tmp_path / "ckpt")
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "How many singers?", "completion": "SELECT count(*) FROM singer"},
+            {"prompt": "Summarise: the cat sat on the mat.", "completion": "A cat sat."}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "report"
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--task", task, "--data", str(data), "--limit", "2",
+                 "--max-new-tokens", "4", "--tree-top-k", "2", "--device", "cpu", "--out", str(out)]) == 0
+    summary = json.loads((out / "benchmark.json").read_text())["methods"]
+    for name, entry in summary.items():
+        if task == "sql":
+            assert "exact_match" in entry and "valid" not in entry, name  # no schema in the user's rows
+        else:
+            assert "rouge1" in entry, name
+    assert (out / "benchmark.md").stat().st_size > 0
