@@ -127,10 +127,12 @@ def streaming_method(model, eos_token_id, **kwargs) -> Callable:
     return run
 
 
-def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_new_tokens: int) -> dict[str, MethodResult]:
+def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_new_tokens: int,
+                on_prompt: Callable[[dict[str, MethodResult], int], None] | None = None) -> dict[str, MethodResult]:
     """Every method on every prompt, methods interleaved per prompt so machine noise hits all alike.
     Each method first decodes a few tokens of the first prompt, untimed, so that no method pays
-    for first-call costs (allocations, kernel set-up) that another does not."""
+    for first-call costs (allocations, kernel set-up) that another does not. `on_prompt` is
+    called with the results so far after each prompt (a long run saves them as it goes)."""
     results = {name: MethodResult(name) for name in methods}
     if rows:
         ids = prompt_ids(tokenizer, rows[0])
@@ -151,6 +153,8 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
             r.accepted.extend(accepted)
             r.token_ids.append(new)
             r.texts.append(tokenizer.decode(new, skip_special_tokens=True))
+        if on_prompt is not None:
+            on_prompt(results, results[next(iter(results))].prompts)
     return results
 
 
@@ -387,8 +391,19 @@ def run_benchmark(
     }
     if threshold is not None:
         methods["tree_pruned"] = streaming_method(model, eos, tree_top_k=tree_top_k, prune_threshold=threshold)
-    results = run_methods(methods, tokenizer, rows, max_new_tokens)
     lossless_on_base = baseline is None and model.stream_config.mode == "lossless"
+    save_partial = None
+    if out_dir is not None:
+        partial = Path(out_dir) / "partial.json"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+
+        def save_partial(so_far: dict[str, MethodResult], done: int) -> None:
+            # every method's figures on the prompts finished so far: a late failure loses nothing
+            entry = {"prompts_done": done, "prompts": len(rows),
+                     "methods": report(task, rows[:done], so_far, baseline_is_base=lossless_on_base)}
+            partial.write_text(json.dumps(entry, indent=2) + "\n")
+
+    results = run_methods(methods, tokenizer, rows, max_new_tokens, on_prompt=save_partial)
     summary = report(task, rows, results, baseline_is_base=lossless_on_base)
     summary["tree"]["tree_top_k"] = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     summary["tree"]["tree_chosen_on_validation"] = auto_tree
@@ -399,6 +414,8 @@ def run_benchmark(
         summary["tree_pruned"]["prune_threshold"] = threshold
         summary["tree_pruned"]["validation"] = threshold_table
 
+    if out_dir is not None:
+        save_report(summary, out_dir)  # the main table is safe before the sweep runs
     sweep = []
     if sweep_top_k:
         base_tps = results["baseline"].tokens / results["baseline"].seconds

@@ -173,3 +173,30 @@ def test_eval_data_of_a_user_runs_end_to_end(task, tiny_dir, tmp_path, capsys):
         else:
             assert "rouge1" in entry, name
     assert (out / "benchmark.md").stat().st_size > 0
+
+
+def test_a_late_failure_keeps_what_was_measured(tiny_dir, tmp_path, monkeypatch):
+    """Results are saved after every prompt and the main table before the sweep: a sweep that
+    fails leaves partial.json and benchmark.json with every method's figures."""
+    import streamspec.benchmark as bench
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    add_streams(base, StreamConfig(stream_layers=2)).save_pretrained(tmp_path / "ckpt")
+    real = bench.run_methods
+    calls = []
+
+    def failing_sweep(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the machine went away")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_methods", failing_sweep)
+    out = tmp_path / "report"
+    with pytest.raises(RuntimeError, match="went away"):
+        bench.run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=2, thresholds=(), sweep_top_k=(2,),
+                            tree_top_k=1, max_new_tokens=4, out_dir=str(out))
+    partial = json.loads((out / "partial.json").read_text())
+    assert partial["prompts_done"] == partial["prompts"] == 2
+    assert {"baseline", "chain", "tree"} <= set(partial["methods"])
+    assert {"baseline", "chain", "tree"} <= set(json.loads((out / "benchmark.json").read_text())["methods"])
