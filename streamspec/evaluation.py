@@ -43,21 +43,27 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
     """A function ``input_ids [1, T] -> new token ids [1, n]`` (greedy) and the tokenizer, for:
 
     - ``"base"``: the base model itself (`base`, default the built-in SmolLM2), transformers `generate`;
-    - ``"next_token"``: a peft adapter folder `path` (a next-token fine-tune) on that base;
+    - ``"next_token"``: a peft adapter folder `path` (a next-token fine-tune) on `base`, default
+      the base the adapter records;
     - ``"streamed"``: a streamed checkpoint `path`, decoded one token per pass;
     - ``"speculative"``: a streamed checkpoint `path`, decoded with speculative streaming (greedy,
       tree_top_k 3); each call's `GenerateOutput` is appended to `stats` when given.
+
+    Every kind decodes with its own model's tokenizer (a streamed checkpoint's, an adapter's base's).
     """
     import torch
 
-    from .assets import DEFAULT_MODEL_ID, load_base_model, load_tokenizer
+    from pathlib import Path
 
-    base_id = base or DEFAULT_MODEL_ID
-    tokenizer = load_tokenizer(base_id)
+    from .assets import DEFAULT_MODEL_ID, load_base_model, load_tokenizer
+    from .checkpoint import _recorded_base
+
     if kind in ("streamed", "speculative"):
         from .checkpoint import load_streamed
         from .decoding import generate, generate_autoregressive
+        from .inference import checkpoint_tokenizer
 
+        tokenizer = checkpoint_tokenizer(path)  # the checkpoint's own (merged folder or its recorded base)
         model = load_streamed(path, merge_lora=True)
         if kind == "streamed":
             return (lambda ids, n: generate_autoregressive(model, ids, n, tokenizer.eos_token_id)), tokenizer
@@ -69,6 +75,9 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
             return out.tokens
 
         return speculative, tokenizer
+    # an adapter's own base (as it records it) unless told otherwise
+    base_id = base or (_recorded_base(Path(path)) if kind == "next_token" and path else None) or DEFAULT_MODEL_ID
+    tokenizer = load_tokenizer(base_id)
     model = load_base_model(base_id)
     if kind == "next_token":
         from peft import PeftModel

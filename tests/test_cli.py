@@ -36,3 +36,24 @@ def test_debug_shows_the_traceback(monkeypatch):
     monkeypatch.setenv("STREAMSPEC_DEBUG", "1")
     with pytest.raises(Exception, match="learning_rat"):
         main(["train", "--recipe", "recipes/smollm2-135m/sql.yaml", "training.learning_rat=1"])
+
+
+def test_sql_evaluation_decodes_with_the_checkpoints_own_tokenizer(tiny_dir, tmp_path):
+    """eval/sql_exact_match.py's generators take the tokenizer of the checkpoint (here its recorded
+    base, whose tokenizer has a token the default model's lacks), not the default model's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from streamspec import StreamConfig, add_streams
+    from streamspec.evaluation import greedy_generator
+
+    shutil.copytree(tiny_dir, tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    tokenizer.add_tokens(["<only-in-this-base>"])
+    tokenizer.save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa")
+    add_streams(base, StreamConfig(stream_layers=2)).save_pretrained(tmp_path / "ckpt")
+    for kind in ("streamed", "speculative"):
+        _, used = greedy_generator(kind, str(tmp_path / "ckpt"))
+        assert "<only-in-this-base>" in used.get_vocab(), kind
