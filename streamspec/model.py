@@ -395,6 +395,7 @@ class StreamedModel(nn.Module):
         labels: torch.Tensor | None = None,
         return_logits: bool | None = None,
         loss_chunk_size: int = 256,
+        streams_at: str = "all",
     ) -> StreamedOutput:
         """Main, stream and early-exit predictions for a batch, and the loss when labels are given.
 
@@ -406,8 +407,18 @@ class StreamedModel(nn.Module):
                 `streamspec.layout.carrying_positions`).
             return_logits: also return the full logits tensors; default: only without labels.
             loss_chunk_size: positions per LM-head call in the loss.
+            streams_at: without labels, which positions carry streams: ``"all"`` (every real
+                position: stream predictions everywhere) or ``"last"`` (each row's last real
+                position only: what decoding computes for a prompt, so in shared mode the last
+                position's main logits are exactly decoding's first step; with ``"all"`` they
+                differ there, since every earlier main position also attended to its own streams).
+                With labels the labels decide, and this must stay ``"all"``.
         """
-        lower, main, streams, index, valid, carry, labels = self._hidden(input_ids, attention_mask, labels)
+        if streams_at not in ("all", "last"):
+            raise ValueError(f"streams_at must be 'all' or 'last', got {streams_at!r}")
+        if streams_at != "all" and labels is not None:
+            raise ValueError("streams_at='last' is for inference; with labels the labels decide which positions carry streams")
+        lower, main, streams, index, valid, carry, labels = self._hidden(input_ids, attention_mask, labels, streams_at)
         if return_logits is None:
             return_logits = labels is None
         out = StreamedOutput(stream_mask=carry)
@@ -438,11 +449,15 @@ class StreamedModel(nn.Module):
             sums.update({f"{name}_loss_sum": loss_sum, f"{name}_correct": correct, f"{name}_count": int(keep.sum())})
         return sums
 
-    def _hidden(self, input_ids, attention_mask, labels):
+    def _hidden(self, input_ids, attention_mask, labels, streams_at: str = "all"):
         """The shared forward: final main and stream hidden states (before the final norm) and the
         hidden states at the input of layer N−Ns, with the stream layout."""
         real, labels = self._check_inputs(input_ids, attention_mask, labels)
         carry = carrying_positions(real, labels)
+        if streams_at == "last":  # each row's last real position only, as decoding a prompt does
+            last = (torch.arange(real.shape[1], device=real.device) * real).argmax(dim=1)
+            carry = torch.zeros_like(real)
+            carry[torch.arange(real.shape[0], device=real.device), last] = True
         index, valid = stream_slots(carry)
         position_ids = position_ids_from_mask(real)
         main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)

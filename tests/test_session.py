@@ -110,3 +110,26 @@ def test_bad_use_is_refused():
         session.generate(10_000)
     with pytest.raises(ValueError, match="no streams"):
         DecodingSession(model.hf_model, tree_top_k=3)
+
+
+@pytest.mark.parametrize("mode", ["shared", "lossless"])
+def test_forward_with_streams_at_last_is_what_decoding_computes(arch, mode):
+    """model(ids, streams_at="last") gives decoding's next-token logits at the last position; the
+    default (streams at every position) differs from it in shared mode, as documented."""
+    model = streamed(arch, mode, seed=3)
+    with torch.no_grad():  # make the stream identifiers large, so that streams matter to main rows
+        model.streams.stream_embeddings.mul_(20)
+    prompt = random_ids(1, 9, 8)
+    session = DecodingSession(model)
+    session.extend(prompt[0].tolist())
+    decoded = session.next_logits()
+    with torch.no_grad():
+        last = model(prompt, streams_at="last").logits[0, -1].float()
+        every = model(prompt).logits[0, -1].float()
+    torch.testing.assert_close(last, decoded, rtol=1e-4, atol=1e-4)
+    if mode == "shared":
+        assert not torch.allclose(every, decoded, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(every, decoded, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="streams_at"):
+        model(prompt, streams_at="first")
