@@ -469,8 +469,9 @@ def with_default_kernels(method: Callable, model) -> Callable:
 def _baseline_model(meta: dict, checkpoint: str, baseline: str | None, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32):
     from .assets import load_base_model
+    from .checkpoint import recorded_base
 
-    base_name = str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"]
+    base_name = recorded_base(checkpoint, meta)
     model = load_base_model(base_name, dtype=dtype)
     if baseline is not None:
         from .checkpoint import _load_adapter

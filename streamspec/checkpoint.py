@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import logging
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,50 @@ def _base_facts(config) -> dict[str, Any]:
     return {name: getattr(config, name, None) for name in _CHECKED_FIELDS}
 
 
+def base_fingerprint(model: nn.Module) -> list[float]:
+    """A few numbers that tell one base model from another of the same shape: the sums of the
+    first and last 8 rows of its input embedding (which neither LoRA nor streams change), in
+    float64 whatever the model's dtype, so a bf16 copy of the same base still matches."""
+    weight = model.get_input_embeddings().weight.detach()
+    rows = torch.cat([weight[:8], weight[-8:]]).to(torch.float64)
+    return [round(float(v), 6) for v in rows.sum(dim=1)]
+
+
+def _same_fingerprint(recorded: list[float], actual: list[float]) -> bool:
+    # tolerances that a dtype change (bf16 rounds each weight by <0.4%) passes and another model does not
+    scale = max(max(abs(v) for v in recorded), 1e-6)
+    return len(recorded) == len(actual) and all(abs(a - b) <= 0.02 * abs(a) + 1e-3 * scale for a, b in zip(recorded, actual))
+
+
+def recorded_base(folder: str | Path, meta: dict[str, Any] | None = None) -> str | None:
+    """The base a checkpoint names: the folder itself when merged; else the recorded name or
+    path, or, when that path does not exist here (the checkpoint was moved or copied to another
+    machine), the same base found at the path recorded relative to the checkpoint."""
+    folder = Path(folder)
+    meta = meta or read_checkpoint_meta(folder)
+    if meta.get("merged"):
+        return str(folder)
+    recorded = meta["base_model"]
+    name = recorded.get("name_or_path")
+    relative = recorded.get("relative_path")
+    if name and relative and not Path(name).exists() and (folder / relative).exists():
+        return str((folder / relative).resolve())
+    return name
+
+
 def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = False, tokenizer=None) -> Path:
     """Write `model` as a streamed checkpoint (see the module docstring); returns the folder."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     hf_config = model.config
-    base_ref: dict[str, Any] = {"name_or_path": getattr(hf_config, "_name_or_path", None), **_base_facts(hf_config)}
+    base_ref: dict[str, Any] = {"name_or_path": getattr(hf_config, "_name_or_path", None), **_base_facts(hf_config),
+                                "fingerprint": base_fingerprint(model.hf_model)}
+    revision = getattr(hf_config, "_commit_hash", None)
+    if revision:
+        base_ref["revision"] = revision
+    if base_ref["name_or_path"] and Path(base_ref["name_or_path"]).is_dir():
+        # also relative to the checkpoint, so that a folder moved together with its base still loads
+        base_ref["relative_path"] = os.path.relpath(Path(base_ref["name_or_path"]).resolve(), out.resolve())
     adapter = None
     if merge:
         base = copy.deepcopy(model.base)
@@ -67,9 +106,8 @@ def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = Fal
             model.base.save_pretrained(out / ADAPTER_DIR)
         adapter = ADAPTER_DIR
     if not merge and not base_ref["name_or_path"]:
-        raise CheckpointError(
-            "the base model has no name or path to record (config._name_or_path is empty); save with merge=True"
-        )
+        logger.warning("the base model has no name or path (built from a config or in memory): the checkpoint holds the "
+                       "streams and adapter only, and loading it needs base_model=")
     state = {k: v.detach().contiguous().cpu() for k, v in model.streams.state_dict().items()}
     save_file(state, out / WEIGHTS_FILE, metadata={"format": FORMAT})
     meta = {
@@ -122,9 +160,10 @@ def load_streamed(
     meta = read_checkpoint_meta(folder)
     recorded = meta["base_model"]
     if base_model is None:
-        base_model = str(folder) if meta.get("merged") else recorded.get("name_or_path")
+        base_model = recorded_base(folder, meta)
         if not base_model:
-            raise CheckpointError(f"{folder} records no base model; pass base_model=")
+            raise CheckpointError(f"{folder} records no base model (it was saved from a model without a name or path); "
+                                  "pass base_model= (the base instance, a folder or a hub id)")
     if isinstance(base_model, (str, Path)):
         base_model = load_base_model(str(base_model), dtype=dtype)
     if hasattr(base_model, "peft_config") or isinstance(base_model, StreamedModel):
@@ -134,6 +173,9 @@ def load_streamed(
     if wrong:
         details = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in wrong.items())
         raise CheckpointError(f"the base model does not match the checkpoint in {folder} ({details})")
+    if recorded.get("fingerprint") and not _same_fingerprint(recorded["fingerprint"], base_fingerprint(base_model)):
+        raise CheckpointError(f"the base model is not the one the checkpoint in {folder} was made for: same shapes, "
+                              "different weights (its embedding fingerprint differs)")
 
     config = StreamConfig.from_dict(meta["stream_config"])
     if meta.get("adapter"):
@@ -259,11 +301,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = Fal
 
     folder = Path(checkpoint)
     meta = read_checkpoint_meta(folder)
-    precision = dtype_or_base(dtype, str(folder) if meta.get("merged") else meta["base_model"]["name_or_path"])
+    precision = dtype_or_base(dtype, recorded_base(folder, meta))
     model = load_streamed(folder, dtype=precision)
     tokenizer = None
     if merge:
-        tokenizer = _tokenizer_if_any(str(folder) if meta.get("merged") else meta["base_model"]["name_or_path"])
+        tokenizer = _tokenizer_if_any(recorded_base(folder, meta))
     target = save_streamed(model, out, merge=merge, tokenizer=tokenizer)
     load_streamed(target, dtype=precision)  # refuse to report success for a folder that does not load
     return target

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import read_checkpoint_meta
+from .checkpoint import CheckpointError, read_checkpoint_meta, recorded_base
 from .data.build import prompt_ids
 from .decoding import generate
 
@@ -16,7 +16,10 @@ def checkpoint_tokenizer(checkpoint: str | Path):
     from .assets import load_tokenizer
 
     meta = read_checkpoint_meta(checkpoint)
-    return load_tokenizer(str(checkpoint) if meta.get("merged") else meta["base_model"]["name_or_path"])
+    base = recorded_base(checkpoint, meta)
+    if not base:
+        raise CheckpointError(f"{checkpoint} records no base model, so no tokenizer either; load it with base_model=")
+    return load_tokenizer(base)
 
 
 def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out=None, cpu_kernels: bool = True,

@@ -155,13 +155,13 @@ def load_for_inference(
         raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path}")
 
     if local and is_streamed_checkpoint(path):
-        from .checkpoint import load_streamed, read_checkpoint_meta
+        from .checkpoint import load_streamed, read_checkpoint_meta, recorded_base
         from .inference import checkpoint_tokenizer
 
         base = None
         if device_map is not None:
             meta = read_checkpoint_meta(path)
-            name = str(path) if meta.get("merged") else meta["base_model"]["name_or_path"]
+            name = recorded_base(path, meta)
             base = _causal_lm(name, precision, device_map, None)
         model = load_streamed(path, base_model=base, dtype=precision, merge_lora=merge_lora)
         tokenizer = checkpoint_tokenizer(path)
