@@ -237,3 +237,18 @@ def test_a_streamed_base_keeps_its_own_outputs(tiny):
     assert fast.stop_reason != "error", fast.error
     assert fast.text == plain.text
     assert [s.score for s in fast.steps] == pytest.approx([s.score for s in plain.steps], abs=1e-4)
+
+
+def test_a_tokenizer_that_cannot_render_the_prompt_is_refused():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import make_model
+
+    words = ["[UNK]", "Solve", "the", "problem", "step", "by"] + [str(d) for d in range(10)]
+    raw = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="[UNK]")
+    backend = LocalBackend(make_model("llama"), tokenizer, name="drafter")
+    with pytest.raises(ValueError, match="drafter's tokenizer cannot render the prompt"):
+        backend.start("Wie viele Äpfel hat Tom?")
