@@ -15,7 +15,7 @@ import torch
 
 from .cache import MainStreamCache
 from .decoding import _tree, _within_limits, accept_path
-from .layout import causal, main_allowed, position_ids_from_mask
+from .layout import causal, last_real_positions, main_allowed, position_ids_from_mask
 
 
 @torch.no_grad()
@@ -34,7 +34,7 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     start = time.perf_counter()
     positions = position_ids_from_mask(key_real)
     main_ok = main_allowed(causal(length, device), key_real)
-    last = (torch.arange(length, device=device) * key_real).argmax(dim=1, keepdim=True)  # last real position
+    last = last_real_positions(key_real)[:, None]
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
     roots = torch.stack([sampler(logits) for logits in model.head(main[torch.arange(batch), last[:, 0]])])

@@ -36,6 +36,11 @@ def carrying_positions(real: torch.Tensor, labels: torch.Tensor | None) -> torch
     return carry & real
 
 
+def last_real_positions(real: torch.Tensor) -> torch.Tensor:
+    """[B] the index of each row's last real position (left or right padding), from [B, T] bool."""
+    return (torch.arange(real.shape[1], device=real.device) * real).argmax(dim=1)
+
+
 def stream_slots(carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the carrying positions of each row into ``S`` = max-per-row slots.
 

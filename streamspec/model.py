@@ -28,6 +28,7 @@ from .config import StreamConfig
 from .layout import (
     carrying_positions,
     causal,
+    last_real_positions,
     main_allowed,
     position_ids_from_mask,
     stream_allowed,
@@ -455,9 +456,8 @@ class StreamedModel(nn.Module):
         real, labels = self._check_inputs(input_ids, attention_mask, labels)
         carry = carrying_positions(real, labels)
         if streams_at == "last":  # each row's last real position only, as decoding a prompt does
-            last = (torch.arange(real.shape[1], device=real.device) * real).argmax(dim=1)
             carry = torch.zeros_like(real)
-            carry[torch.arange(real.shape[0], device=real.device), last] = True
+            carry[torch.arange(real.shape[0], device=real.device), last_real_positions(real)] = True
         index, valid = stream_slots(carry)
         position_ids = position_ids_from_mask(real)
         main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
