@@ -139,6 +139,7 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     ("benchmark.py", ("--checkpoint", "--task", "--baseline", "--sweep", "--data")),
     ("decode_crr.py", ("--checkpoint", "--task", "--split", "--limit", "--trees", "--pruned")),
     ("stream_adapter_cost.py", ("--checkpoint", "--task", "--limit", "--repeats")),
+    ("reason_draft_speed.py", ("--drafter", "--offset", "--limit", "--trees", "--repeats")),
 ])
 def test_eval_entry_points_parse_their_options(name, options):
     import subprocess
