@@ -25,7 +25,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         per_row = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        grad_x = torch.empty_like(x) if need_x else None
+        # The loss scale of fp16 training arrives only in backward (grad_total): an fp16 buffer
+        # would flush the small unscaled gradients to zero before it is applied, so keep float32.
+        grad_x = torch.empty_like(x, dtype=torch.float32 if x.dtype == torch.float16 else x.dtype) if need_x else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         for start in range(0, x.shape[0], chunk_size):
@@ -37,12 +39,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             per_row[rows] = ce
             total += (ce * ws).sum()
             if need_x or need_w or need_b:
-                # d(w·CE)/dlogits = w·(softmax − onehot), reusing the logits buffer.
+                # d(w·CE)/dlogits = w·(softmax − onehot), reusing the logits buffer. The product
+                # with the weight runs in its dtype on softmax − onehot (in [−1, 1]) and the row
+                # weight w (1/rows of the term: tiny) is applied after, in float32, so nothing
+                # underflows in a reduced-precision matmul.
                 grad = logits.sub_(lse[:, None]).exp_()
                 grad[torch.arange(len(ys), device=x.device), ys] -= 1
-                grad.mul_(ws[:, None])
                 if need_x:
-                    grad_x[rows] = (grad.to(weight.dtype) @ weight).to(x.dtype)
+                    grad_x[rows] = ((grad.to(weight.dtype) @ weight).float() * ws[:, None]).to(grad_x.dtype)
+                grad.mul_(ws[:, None])
                 if need_w:
                     grad_w += grad.t() @ xs.float()
                 if need_b:
@@ -54,6 +59,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, grad_per_row):
+        # scaled (by fp16 training's loss scale, in grad_total) before the cast to the inputs' dtype
         grads = [None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
         return (*grads, None, None, None)
 

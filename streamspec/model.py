@@ -102,16 +102,28 @@ class StreamParameters(nn.Module):
         fine-tuning learning rate would be far too small to grow it. In these units one init and
         one learning rate fit every model.
         """
+        dtype = self.dtype
         if hasattr(self, "init_down"):
-            main = main + self.init_up(self.init_down(main))
+            main = main + self.init_up(self.init_down(main.to(dtype))).to(main.dtype)
         streams = main[:, :, None, :].expand(-1, -1, self.num_streams, -1)
         if hasattr(self, "stream_embeddings"):
-            scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(main.dtype)
-            streams = streams + scale[:, :, None, :] * self.stream_embeddings
+            scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(dtype)
+            streams = streams + (scale[:, :, None, :] * self.stream_embeddings).to(main.dtype)
         return streams
 
+    def forward(self, main: torch.Tensor) -> torch.Tensor:
+        """`make_streams`, as a module call: DeepSpeed ZeRO-3 gathers a module's own partitioned
+        parameters (the P_j) around its calls only, for the forward and the backward pass."""
+        return self.make_streams(main)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of these parameters: float32 master weights in reduced-precision training
+        (`streamspec.training`), else the base's; inputs are cast to it and results back."""
+        return self.exit_down.weight.dtype
+
     def early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.exit_up(self.exit_down(hidden))
+        return hidden + self.exit_up(self.exit_down(hidden.to(self.dtype))).to(hidden.dtype)
 
 
 class StreamAdapters(nn.Module):
@@ -366,7 +378,7 @@ class StreamedModel(nn.Module):
         g = self.stream_config.num_streams
         num_slots = index.shape[1]
         origin = hidden.gather(1, index[:, :, None].expand(batch, num_slots, width))
-        streams = self.streams.make_streams(origin).reshape(batch, num_slots * g, width)
+        streams = self.streams(origin).reshape(batch, num_slots * g, width)
         x = torch.cat([hidden, streams], dim=1)
         pos = torch.cat([position_ids, stream_position_ids(position_ids, index, g)], dim=1)
         allowed = stream_allowed(main_ok, index, valid, g, shared=self.stream_config.mode == "shared")

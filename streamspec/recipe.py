@@ -142,6 +142,8 @@ class TrainingArgs:
     save_total_limit: int | None = 2
     seed: int = 42
     bf16: bool = False
+    # float16 mixed precision with loss scaling (GPUs without bfloat16); trainable weights float32
+    fp16: bool = False
     gradient_checkpointing: bool = False
     report_to: str = "wandb"
     wandb_project: str = "streamspec"
@@ -163,6 +165,8 @@ class TrainingArgs:
         if self.epochs <= 0 and self.max_steps <= 0:
             raise ValueError("training.epochs must be > 0 unless training.max_steps is set")
         _choice("training.report_to", self.report_to, REPORT_TO)
+        if self.bf16 and self.fp16:
+            raise ValueError("training.bf16 and training.fp16 are exclusive: pick one mixed precision")
 
 
 @dataclass

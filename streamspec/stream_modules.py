@@ -133,9 +133,15 @@ class StreamAdapter(StreamModule):
         object.__setattr__(self, "pair", pair)
 
     def stream_rows(self, x: torch.Tensor, out: torch.Tensor, num_main: int) -> torch.Tensor:
-        # F.linear on the weights: two module calls per linear per pass would cost more than the
-        # products themselves on a few decoding rows
-        delta = F.linear(F.linear(x[:, num_main:], self.pair.down.weight), self.pair.up.weight)
+        down, up = self.pair.down, self.pair.up
+        rows = x[:, num_main:].to(down.weight.dtype)  # float32 master weights in reduced-precision training
+        if hasattr(down.weight, "ds_id"):
+            # partitioned by DeepSpeed ZeRO-3, which gathers a module's weights around its calls only
+            delta = up(down(rows)).to(out.dtype)
+        else:
+            # F.linear on the weights: two module calls per linear per pass would cost more than the
+            # products themselves on a few decoding rows
+            delta = F.linear(F.linear(rows, down.weight), up.weight).to(out.dtype)
         if torch.is_grad_enabled():
             return torch.cat([out[:, :num_main], out[:, num_main:] + delta], dim=1)
         out[:, num_main:] += delta

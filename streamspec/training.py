@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 SUMMARY_FILE = "training_summary.json"
 RECIPE_FILE = "recipe.yaml"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_REDUCED = (torch.bfloat16, torch.float16)
 
 
 def build_model(recipe: Recipe):
@@ -71,7 +72,22 @@ def build_model(recipe: Recipe):
     model = add_streams(base, recipe.streams)
     if lora is not None:
         model.add_lora(lora)
+    keep_float32_masters(model)
     return model, tokenizer
+
+
+def keep_float32_masters(model: StreamedModel) -> None:
+    """On a bfloat16 or float16 base, keep the parameters that train on top of it (the stream
+    parameters, stream adapters and LoRA weights) in float32, so that their optimizer state is
+    float32 too and an update smaller than a reduced-precision weight's rounding step is not lost.
+    They are cast to the base's dtype where they are used (peft does so for LoRA). A full
+    fine-tune's base weights keep the base's dtype. Under DeepSpeed with ``bf16``/``fp16`` enabled,
+    DeepSpeed casts every parameter to that dtype and keeps float32 masters in its optimizer."""
+    if model.streams.dtype in _REDUCED:
+        model.streams.float()
+    for name, param in model.base.named_parameters():
+        if param.requires_grad and "lora_" in name and param.dtype in _REDUCED:
+            param.data = param.data.float()  # peft upcasts adapters itself; older versions did not
 
 
 def task_rows(recipe: Recipe, split: str) -> list[dict]:
@@ -273,6 +289,7 @@ def training_arguments(recipe: Recipe) -> TrainingArguments:
         seed=t.seed,
         data_seed=t.seed,
         bf16=t.bf16,
+        fp16=t.fp16,
         # StreamedModel turns it on itself (run_training); the Trainer handles the baseline.
         activation_checkpointing=t.gradient_checkpointing and recipe.streams is None,
         report_to=[] if t.report_to == "none" else [t.report_to],

@@ -58,3 +58,32 @@ def test_empty_rows_give_zero():
     linear = nn.Linear(4, 6)
     loss, rows = weighted_cross_entropy(linear, torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), torch.zeros(0))
     assert loss.item() == 0 and rows.numel() == 0
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["fused", "checkpointed"])
+def test_fp16_gradients_are_scaled_before_the_cast(wrap):
+    """fp16 training multiplies the loss by a scale so that small gradients survive the cast to
+    fp16; the fused path computes its gradients in the forward pass, before that scale is known,
+    and must keep them until backward in float32. Row weights of 1/rows make the unscaled input
+    gradients smaller than fp16's smallest subnormal: with the scale they must come out as the
+    float32 reference, with none flushed to zero."""
+    torch.manual_seed(0)
+    rows, hidden, vocab, scale = 64, 16, 50, 2.0**16
+    linear = nn.Linear(hidden, vocab, bias=False).half()
+    head = nn.Sequential(linear) if wrap else linear
+    x = torch.randn(rows, hidden).half().requires_grad_(True)
+    y = torch.randint(0, vocab, (rows,))
+    w = torch.full((rows,), 1e-5 / rows)  # as for a term of many rows with a small weight
+
+    x32 = x.detach().float().requires_grad_(True)
+    head32 = nn.Linear(hidden, vocab, bias=False)
+    head32.weight.data = linear.weight.data.float()
+    expected = torch.autograd.grad(_naive(head32, x32, y, w)[0], [x32])[0]  # float32 throughout
+    assert (expected.abs() < 6e-8).float().mean() > 0.5, "the test needs gradients that fp16 cannot hold unscaled"
+
+    loss, _ = weighted_cross_entropy(head, x, y, w, chunk_size=16, freeze_head=True)
+    (grad,) = torch.autograd.grad(loss * scale, [x])
+    assert grad.dtype == torch.float16
+    got = grad.float() / scale
+    assert not ((got == 0) & (expected != 0)).any(), "gradients flushed to zero"
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-3 * expected.abs().max().item())

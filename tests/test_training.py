@@ -253,3 +253,46 @@ def test_stream_learning_rate_gets_its_own_group_and_follows_the_schedule(tiny_d
     assert stream_group[0]["lr"] / others[0]["lr"] == pytest.approx(0.02 / recipe.training.learning_rate)
     with pytest.raises(ValueError, match="stream_learning_rate"):
         load_recipe(RECIPE, ["training.stream_learning_rate=0"])
+
+
+@pytest.mark.parametrize("dtype, precision", [("bfloat16", "bf16"), ("float16", "fp16")])
+def test_reduced_precision_base_trains_float32_master_weights(tiny_dir, tmp_path, dtype, precision):
+    """A bfloat16 (float16) base trains stream parameters, stream adapters and LoRA kept in
+    float32: a step with a learning rate far below the reduced dtype's rounding step of those
+    weights still moves them (AdamW's first step moves each weight with a gradient by about the
+    learning rate). fp16 runs with the Trainer's loss scaling."""
+    from transformers import set_seed
+
+    from streamspec.training import build_model
+
+    lr, reduced = 1e-6, getattr(torch, dtype)
+    recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "run", **{
+        "model.dtype": dtype, f"training.{precision}": "true", "training.max_steps": 1, "training.learning_rate": lr,
+        "streams.stream_adapter_rank": 4, "training.max_grad_norm": 0.0, "training.warmup_ratio": 0.0,
+    }))
+    set_seed(recipe.training.seed)  # as run_training does: the same initial weights
+    model, _ = build_model(recipe)
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable) and any(".adapters." in n for n in trainable)
+    assert {p.dtype for p in trainable.values()} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {reduced}
+    with torch.no_grad():  # the forward pass runs in the base's dtype
+        out = model(torch.randint(0, 1000, (1, 8)))
+    assert out.logits.dtype == out.stream_logits.dtype == reduced
+
+    summary = run_training(recipe)
+    assert summary["steps"] == 1 and torch.isfinite(torch.tensor(summary["train_loss"]))
+    trained = load_streamed(summary["export"]).state_dict()
+    for name, before in trainable.items():
+        after = trained[name]
+        assert after.dtype == torch.float32, name
+        delta = after - before
+        assert delta.abs().max() <= lr * 1.1, name  # a tiny step: Adam moves by at most ~lr (+ float32 rounding)
+    # Every P_j entry has a gradient and sits far from 0 (std 0.3), where the reduced dtype's
+    # rounding step is 1e-4..1e-3: a master weight in that dtype would have rounded this update away.
+    before = trainable["streams.stream_embeddings"]
+    delta = trained["streams.stream_embeddings"] - before
+    lost_in_reduced = (before.to(reduced) + delta.to(reduced)) == before.to(reduced)
+    assert (delta != 0).all() and lost_in_reduced.float().mean() > 0.9
+    # (LoRA B and the adapters' up-projections start at 0, where a step of lr survives in either dtype.)
+    assert all((trained[n] != trainable[n]).any() for n in trainable if "lora_B" in n or n.endswith("up.weight"))
