@@ -1,10 +1,13 @@
 """Speculative streaming for a batch of prompts: the single best path per sequence.
 
 Following the paper's batching appendix, a batch drops the tree: each sequence drafts one chain,
-the argmax of each stream (γ tokens after the root). Sequences accept different lengths, so the
-KV cache is not compacted; instead each row keeps a validity mask over its cached entries, and
-rejected entries are masked out for good. Position ids count each row's real tokens only, so a
-padded row decodes exactly as it would alone.
+the argmax of each stream (γ tokens after the root). Sequences accept different lengths; each row
+keeps its own entries contiguous in a `RowCache` and writes the next pass's entries right after
+the ones it accepted, so rejected drafts are overwritten rather than kept masked. Position ids
+count each row's real tokens only, so a padded row decodes exactly as it would alone.
+
+A pass runs on the device from the chains to the next ones; the host reads one [B, 2+γ] matrix
+per pass (each row's accepted count and tokens) to know which rows have ended.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import time
 
 import torch
 
-from .cache import MainStreamCache
-from .decoding import _tree, _within_limits, accept_path
-from .layout import causal, last_real_positions, main_allowed, position_ids_from_mask
+from .cache import RowCache
+from .decoding import _within_limits, read_to_host
+from .layout import causal, last_real_positions, main_allowed, position_ids_from_mask, row_allowed
 
 
 @torch.no_grad()
@@ -25,67 +28,77 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     batch, length = input_ids.shape
     device = input_ids.device
     g = model.stream_config.num_streams
-    cache = MainStreamCache(len(model.layers))
-    key_real = attention_mask.bool()
-    if not key_real.any(dim=1).all():
+    n = 1 + g
+    # A row stores at most n entries per pass and passes stop once every row has max_new_tokens.
+    cache = RowCache(len(model.layers), capacity=length + max_new_tokens + 2 * n)
+    prompt_real = attention_mask.bool()
+    if not prompt_real.any(dim=1).all():
         raise ValueError("every row of attention_mask needs at least one real token")
     out = output_cls(tokens=input_ids.new_zeros(batch, 0), forward_passes=0)
+    rows = torch.arange(batch, device=device)
+    steps = torch.arange(n, device=device)
 
     start = time.perf_counter()
-    positions = position_ids_from_mask(key_real)
-    main_ok = main_allowed(causal(length, device), key_real)
-    last = last_real_positions(key_real)[:, None]
+    positions = position_ids_from_mask(prompt_real)
+    main_ok = main_allowed(causal(length, device), prompt_real)
+    last = last_real_positions(prompt_real)[:, None]
     lower = model.run_lower(input_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
-    roots = torch.stack([sampler(logits) for logits in model.head(main[torch.arange(batch), last[:, 0]])])
-    drafts = model.head(streams[:, 0]).argmax(-1)  # [B, γ]
-    chain_children = _tree((1,) * g).children()
-    generated = [[root] for root in roots.clone().unbind()]  # a copy: `roots` is updated in place below
-    lengths = key_real.sum(dim=1)  # the next position id of each row
+    # One LM-head call: each row's main row at its last position and its stream rows.
+    logits = model.head(torch.cat([main[rows, last[:, 0]][:, None], streams[:, 0]], dim=1))  # [B, 1+γ, V]
+    next_position = prompt_real.sum(dim=1)  # [B] each row's next position id
+    roots = sampler(logits[:, 0], next_position, rows)  # [B]
+    drafts = logits[:, 1:].argmax(-1)  # [B, γ]
+    cache.advance(torch.full((batch,), length, device=device), length)
+    widths = [length] * batch  # each row's stored entries, as the host knows them
+    generated = [[t] for t in read_to_host(roots)]
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [batch], [time.perf_counter() - start]
 
-    ended = {b for b in range(batch) if int(roots[b]) in stop}
+    ended = {b for b in range(batch) if generated[b][0] in stop}
 
     def finished(b):
         return len(generated[b]) >= max_new_tokens or b in ended
 
     while not all(finished(b) for b in range(batch)):
         start = time.perf_counter()
-        n = 1 + g
+        # Rows that have ended stop storing entries (their passes are discarded); a host-to-
+        # device copy, not a read.
+        live = torch.tensor([not finished(b) for b in range(batch)], device=device)
         chain = torch.cat([roots[:, None], drafts], dim=1)  # [B, 1+γ]
-        positions = lengths[:, None] + torch.arange(n, device=device)
-        key_real = torch.cat([key_real, torch.ones(batch, n, dtype=torch.bool, device=device)], dim=1)
-        ok = main_allowed(causal(n, device), key_real)
-        slots = torch.arange(n, device=device).expand(batch, n)
+        positions = next_position[:, None] + steps
+        ok = row_allowed(prompt_real, cache.row_lengths, cache.width, n)
+        slots = steps.expand(batch, n)
         lower = model.run_lower(chain, positions, ok, cache)
         main, streams = model.run_upper(lower, positions, ok, slots, torch.ones_like(slots, dtype=torch.bool), cache)
-        # Every row's main logits in one LM-head call, the same walk as one sequence's on each
-        # chain, then one call on the stream rows of each row's deepest accepted node.
-        logits = model.head(main)  # [B, 1+γ, V]
+        # Every row's choice at every node in one LM-head call (a draw per node when sampling:
+        # only those on the accepted path are used), then the stream rows of each row's deepest
+        # accepted node in a second.
+        choice = sampler(model.head(main), positions + 1, rows[:, None])  # [B, 1+γ]
+        depth = (chain[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B] accepted drafts
+        roots = choice.gather(1, depth[:, None])[:, 0]
+        new = torch.where(steps[:n - 1] == depth[:, None], roots[:, None], chain[:, 1:])  # [B, γ]: drafts, then the correction
+        new = torch.cat([new, roots[:, None]], dim=1)
+        drafts = model.head(streams[rows, depth]).argmax(-1)
+        stored = (depth + 1) * live
+        next_position = next_position + stored
+        summary = read_to_host(torch.cat([depth[:, None], new], dim=1))
         accepted_total = 0
-        depths = []
-        for b in range(batch):
-            path, token = accept_path(chain_children, chain[b].tolist(), lambda node: sampler(logits[b, node]))
-            depth = len(path) - 1
-            depths.append(depth)
+        for b, (d, *tokens) in enumerate(summary):
             if not finished(b):
-                new = list(chain[b, 1 : depth + 1]) + [token]
-                generated[b].extend(new)
-                accepted_total += depth + 1
-                if any(int(t) in stop for t in new):
+                widths[b] += d + 1
+                accepted = tokens[: d + 1]
+                generated[b].extend(accepted)
+                accepted_total += d + 1
+                if any(t in stop for t in accepted):
                     ended.add(b)
-            key_real[b, key_real.shape[1] - n + depth + 1 :] = False  # rejected drafts leave the cache for good
-            lengths[b] += depth + 1
-            roots[b] = token
-        drafts = model.head(streams[torch.arange(batch), torch.tensor(depths, device=device)]).argmax(-1)
+        cache.advance(stored, max(widths))
         out.forward_passes += 1
         out.accepted_per_pass.append(accepted_total)
         out.nodes_per_pass.append((batch * n, batch * n))
         out.seconds_per_pass.append(time.perf_counter() - start)
 
     results = [
-        torch.tensor(_within_limits([int(t) for t in generated[b]], 0, max_new_tokens, stop), dtype=input_ids.dtype,
-                     device=device)
+        torch.tensor(_within_limits(generated[b], 0, max_new_tokens, stop), dtype=input_ids.dtype, device=device)
         for b in range(batch)
     ]
     out.lengths = [len(r) for r in results]

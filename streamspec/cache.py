@@ -64,19 +64,69 @@ class MainStreamCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._length[layer_idx]
 
-    def keep(self, prefix_length: int, new_index: torch.Tensor, layers: range | None = None) -> None:
+    def keep(self, prefix_length: int, new_index: torch.Tensor, layers: range | None = None,
+             length: int | None = None) -> None:
         """Keep the first `prefix_length` entries, then the entries at `new_index` (positions after
         the prefix, e.g. an accepted tree path), contiguous and in that order; in `layers` only
-        (default all)."""
+        (default all). With `length`, only the first `length` of them count as stored: the index
+        may then have a fixed size (a path padded to the tree's depth, computed on the device)
+        and the rest are scratch."""
         for i, (k, v) in enumerate(zip(self._keys, self._values)):
             if k is None or (layers is not None and i not in layers):
                 continue
             idx = prefix_length + new_index.to(k.device)
-            m = len(idx)
-            k[..., prefix_length : prefix_length + m, :] = k.index_select(-2, idx)
-            v[..., prefix_length : prefix_length + m, :] = v.index_select(-2, idx)
-            self._length[i] = prefix_length + m
+            m = min(len(idx), k.shape[-2] - prefix_length)
+            k[..., prefix_length : prefix_length + m, :] = k.index_select(-2, idx[:m])
+            v[..., prefix_length : prefix_length + m, :] = v.index_select(-2, idx[:m])
+            self._length[i] = prefix_length + (m if length is None else min(length, m))
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` entries per layer now (buffers made later are made that large), so
+        that decoding up to that length never reallocates."""
+        self._capacity = max(self._capacity, total)
+        for i, buf in enumerate(self._keys):
+            if buf is not None and buf.shape[-2] < total:
+                self._reserve(i, buf, total)
 
     def crop(self, length: int) -> None:
         """Drop every entry at or after `length`."""
         self._length = [min(n, length) for n in self._length]
+
+
+class RowCache(MainStreamCache):
+    """The cache of a batch whose rows accept different numbers of tokens per pass.
+
+    Each row keeps its entries contiguous from the start of its buffer and writes a pass's new
+    main entries right after its own stored ones (`row_lengths`, on the device), so a rejected
+    draft is overwritten by the next pass instead of staying behind masked: the cache grows by
+    what each row accepts, not by the draft's length. Attention reads the region every row fits
+    in (`width`, a bound the host keeps) and a mask (`streamspec.layout.row_allowed`) says which
+    entries of it are each row's.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 256) -> None:
+        super().__init__(num_layers, capacity)
+        self.row_lengths: torch.Tensor | None = None
+        self.width = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        batch, heads, new, dim = key_states.shape
+        main = new if self.main_length is None else self.main_length
+        self._reserve(layer_idx, key_states, self.width + new)
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if self.row_lengths is None:
+            self.row_lengths = torch.zeros(batch, dtype=torch.long, device=key_states.device)
+        at = (self.row_lengths[:, None] + torch.arange(main, device=key_states.device))[:, None, :, None]
+        at = at.expand(batch, heads, main, dim)
+        keys.scatter_(-2, at, key_states[..., :main, :])
+        values.scatter_(-2, at, value_states[..., :main, :])
+        region = self.width + main
+        return (torch.cat([keys[..., :region, :], key_states[..., main:, :]], dim=-2),
+                torch.cat([values[..., :region, :], value_states[..., main:, :]], dim=-2))
+
+    def advance(self, accepted: torch.Tensor, width: int) -> None:
+        """Each row stores `accepted` [B] (device) more of the entries it just wrote; `width` is
+        the longest row's length afterwards (the host knows it from the accepted counts)."""
+        self.row_lengths = self.row_lengths + accepted
+        self.width = width
+        self._length = [width if k is not None else 0 for k in self._keys]

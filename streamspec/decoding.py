@@ -9,6 +9,7 @@ exactly as in training.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -19,12 +20,40 @@ import torch
 from .cache import MainStreamCache
 from .layout import causal, main_allowed
 from .model import StreamedModel
-from .tree import DraftTree, build_tree, prune_by_transition, tree_shape
+from .tree import DraftTree, accepted_nodes, build_tree, deepest_path, prune_by_transition, tree_shape
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor | int, c: int):
+    """x·c mod 2³² for x < 2³² held in int64, without overflowing int64 (x split in 16-bit halves)."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _hash32(x):
+    """A 32-bit integer hash with good avalanche (the "lowbias32" constants of C. Wellons' hash
+    prospector), on Python ints or int64 tensors holding values below 2³²."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
 
 
 class Sampler:
     """Picks the next token from logits: argmax when `temperature` is 0, else a draw from the
-    softmax of logits/temperature restricted to `top_k` and nucleus `top_p`, with its own RNG."""
+    softmax of logits/temperature restricted to `top_k` and nucleus `top_p`.
+
+    Draws are keyed, not sequential: the draw for the token at sequence index t of row r uses
+    the uniform number hash(seed, r, t) (inverse-CDF sampling). Speculative decoding chooses a
+    token at every draft node of a pass at once, on the device, and keeps those on the accepted
+    path; keyed by the index each node's token would have, the kept draws are exactly those one-
+    token-per-pass sampling makes. So with a seed, speculative sampling returns the very tokens
+    one-token-per-pass sampling returns, whatever the drafts. Regenerating the same indices with
+    the same Sampler repeats its draws: make a new Sampler (or seed) for independent samples.
+    Without a seed, one is drawn from torch's global generator.
+    """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None, seed: int | None = None,
                  device: torch.device | str = "cpu") -> None:
@@ -34,12 +63,19 @@ class Sampler:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.generator = torch.Generator(device=device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+        self._seed = seed
+        self._fresh = 0  # keys handed to calls that give none (row -1: never a sequence's)
+
+    @property
+    def seed(self) -> int:
+        """The seed draws are keyed by (drawn from torch's global generator at first use when
+        none was given; greedy decoding never needs it)."""
+        if self._seed is None:
+            self._seed = int(torch.randint(0, 2**62, ()))
+        return self._seed
 
     @property
     def greedy(self) -> bool:
@@ -60,11 +96,29 @@ class Sampler:
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token (0-dim) from [V] logits."""
+    def uniforms(self, index: torch.Tensor, row: torch.Tensor | int = 0) -> torch.Tensor:
+        """The uniform numbers in (0, 1) (float64) of the draws for the tokens at sequence indices
+        `index` of rows `row` (broadcast together)."""
+        index = torch.as_tensor(index)
+        key = _hash32((self.seed & _MASK32) ^ _hash32((self.seed >> 32) & _MASK32))
+        h = _hash32((index & _MASK32) ^ _hash32((torch.as_tensor(row, device=index.device) & _MASK32) ^ key))
+        return (h.double() + 0.5) / 2.0**32
+
+    def __call__(self, logits: torch.Tensor, index: torch.Tensor | None = None, row: torch.Tensor | int = 0) -> torch.Tensor:
+        """One token per row: [..., V] logits -> [...] token ids (0-dim from [V]). `index` [...]
+        (with `row`) keys each draw (see the class); without it each call gets fresh keys. On the
+        device: nothing is read back to the host."""
         if self.greedy:
             return logits.argmax(-1)
-        return torch.multinomial(self.probs(logits), 1, generator=self.generator)[0]
+        probs = self.probs(logits)
+        if index is None:
+            count = probs[..., 0].numel()
+            index = torch.arange(count, device=logits.device).view(probs.shape[:-1]) + self._fresh
+            row, self._fresh = -1, self._fresh + count
+        cdf = probs.double().cumsum(-1)
+        target = self.uniforms(index.to(logits.device), row) * cdf[..., -1]
+        token = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1)
+        return token.clamp(max=logits.shape[-1] - 1)
 
 
 @torch.no_grad()
@@ -83,7 +137,8 @@ def generate_autoregressive(
 
 
 def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, profile: bool = False) -> "GenerateOutput":
-    """One token per pass; the arguments were checked by the caller (`_check_generate_args`)."""
+    """One token per pass; the arguments were checked by the caller (`_check_generate_args`). One
+    read from the device per pass: the token, to know whether it ends the text."""
     choose = sampler or Sampler(device=input_ids.device)
     stop = _stop_set(eos_token_id)
     device = input_ids.device
@@ -103,20 +158,27 @@ def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, pro
         lower = model.run_lower(tokens, positions, main_ok, cache)
         main, _ = model.run_upper(lower, positions, main_ok, one_slot + (n - 1), valid, cache)
         forward_done = clock()
-        token = choose(model.head(main[0, -1])).view(1, 1)
-        generated.append(int(token))
+        token = choose(model.head(main[0, -1:]), positions[0, -1:] + 1)  # [1], on the device
+        value = read_to_host(token)[0]
+        generated.append(value)
         end = clock()
         out.seconds_per_pass.append(end - start)
         out.forward_seconds_per_pass.append(forward_done - start)
         out.head_seconds_per_pass.append(end - forward_done)
         past += n
-        tokens = token
-        if int(token) in stop:
+        tokens = token.view(1, 1).to(input_ids.dtype)
+        if value in stop:
             break
     out.tokens = torch.tensor([generated], dtype=input_ids.dtype, device=device)
     out.forward_passes = len(generated)
     out.accepted_per_pass = [1] * len(generated)
     return out
+
+
+def read_to_host(values: torch.Tensor) -> list:
+    """The decoding loops' one read from the device per pass (as a list): what was accepted and
+    whether to stop. Every other step of a pass stays on the device; tests count these reads."""
+    return values.tolist()
 
 
 def _stop_set(eos_token_id) -> set[int]:
@@ -226,29 +288,39 @@ def generate(
     g = model.stream_config.num_streams
     shape = tree_shape(tree_top_k, g)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
-    out, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
+    out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
                        _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile))
     return out
 
 
 def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor, max_new_tokens: int,
               sampler: Sampler, shape: tuple[int, ...], prune_threshold: float | None, stop: set[int],
-              on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock") -> tuple[GenerateOutput, int]:
+              on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock") -> tuple[GenerateOutput, int, list[int]]:
     """The speculative-streaming loop of one sequence, from a cache that already holds `past`
     entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache).
-    Arguments are checked by the caller. Returns the output and how many entries the cache then
-    holds: every token up to, not including, the last one generated (whose entries the next
-    pass would write), before any cut by `max_new_tokens` or a stop token; a caller that keeps
-    the cache crops it to the tokens it keeps (`DecodingSession` does)."""
+    Arguments are checked by the caller. Returns the output, how many entries the cache then
+    holds and the output's tokens as a list (read on the host already). The cache holds every
+    token up to, not including, the last one generated (whose entries the next pass would
+    write), before any cut by `max_new_tokens` or a stop token; a caller that keeps the cache
+    crops it to the tokens it keeps (`DecodingSession` does).
+
+    Each pass runs on the device from the draft tree's tokens to the next one's (see `_verify`);
+    the host reads one small vector per pass, the accepted tokens and their count, to call
+    `on_tokens`, test for stop tokens and set the cache's length. Early-exit pruning reads one
+    thing more, the number of nodes kept, since the rest of the pass runs on that many rows.
+    """
     device = new_ids.device
     tree = _tree(shape).to(device)
+    num_parents = sum(math.prod(shape[:d]) for d in range(len(shape)))  # nodes above the last depth
     width = max(shape)
-    full_children = tree.children()
+    depth_limit = tree.depth_limit
     lower_layers = range(model.num_lower_layers)
     upper_layers = range(model.num_lower_layers, len(model.layers))
     out = GenerateOutput(tokens=new_ids.new_zeros(1, 0), forward_passes=0)
+    cache.reserve(past + new_ids.shape[1] + max_new_tokens + tree.size * (1 + model.stream_config.num_streams))
 
-    # Prefill: streams at the last new position give the root and the first draft.
+    # Prefill: streams at the last new position give the root and the first draft, from one
+    # LM-head call over the main row and the stream rows the draft reads.
     start = clock()
     length = new_ids.shape[1]
     positions = torch.arange(past, past + length, device=device)[None]
@@ -257,9 +329,11 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     lower = model.run_lower(new_ids, positions, main_ok, cache)
     main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
     forward_done = clock()
-    _, root, candidates = _walk(model, main[:, -1:], streams, [[]], [0], sampler, width, tree.depth_limit)
-    generated = [int(root)]
-    stopped = on_tokens is not None and bool(on_tokens([int(root)]))
+    logits = model.head(torch.cat([main[0, -1:], streams[0, 0, :depth_limit]], dim=0))  # [1 + depth, V]
+    root = sampler(logits[:1], positions[0, -1:] + 1)  # [1]: the token at index past + length
+    candidates = logits[1:].topk(width, dim=-1).indices
+    generated = read_to_host(root)
+    stopped = on_tokens is not None and bool(on_tokens(list(generated)))
     end = clock()
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [end - start]
     out.forward_seconds_per_pass, out.head_seconds_per_pass = [forward_done - start], [end - forward_done]
@@ -269,23 +343,23 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     ones = torch.ones(1, past + max_new_tokens + tree.size, dtype=torch.bool, device=device)
     tree_ok = tree.ancestors[None]
 
-    ended = int(root) in stop or stopped
+    ended = generated[0] in stop or stopped
     while len(generated) < max_new_tokens and not ended:
         start = clock()
         head_seconds = 0.0
-        tokens = tree.tokens(root, candidates)
+        tokens = tree.tokens(root[0], candidates)
         positions = (past + tree.depth)[None]
         lower = model.run_lower(tokens[None], positions, main_allowed(tree_ok, ones[:, : past + tree.size]), cache)
-        kept, sub, children, sub_ok = everything, tree, full_children, tree_ok
+        kept, sub, sub_ok = everything, tree, tree_ok
         if prune_threshold is not None:
             # Only parents' transition rows are read: no full-vocabulary logits for the leaves.
             mark = clock()
-            early = model.early_exit_head(lower[0, : tree.num_parents]).log_softmax(-1)
-            kept = prune_by_transition(tree, tokens, early, prune_threshold)
+            early = model.early_exit_head(lower[0, :num_parents]).log_softmax(-1)
+            kept = prune_by_transition(tree, tokens, early, prune_threshold)  # the one extra read: its size
             head_seconds += clock() - mark
             if len(kept) < tree.size:
-                sub = tree.subset(kept.cpu()).to(device)
-                children, sub_ok = sub.children(), sub.ancestors[None]
+                sub = tree.subset(kept)
+                sub_ok = sub.ancestors[None]
                 lower, positions = lower[:, kept], positions[:, kept]
         n = sub.size
         slots = everything[None, :n]
@@ -293,15 +367,13 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
             lower, positions, main_allowed(sub_ok, ones[:, : past + n]), slots, every_slot_valid[:, :n], cache
         )
         forward_done = clock()
-        node_tokens = tokens[kept]
-        path, root, candidates = _walk(model, main, streams, children, node_tokens.tolist(), sampler, width,
-                                       tree.depth_limit)
-        new = node_tokens[path[1:]].tolist() + [int(root)]
+        path, accepted, root, candidates = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler, width)
+        summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
+        new = summary[1 : summary[0] + 2]
         head_done = clock()
-        path_index = torch.tensor(path, device=device)
-        cache.keep(past, kept[path_index], lower_layers)
-        cache.keep(past, path_index, upper_layers)
-        past += len(path)
+        cache.keep(past, kept[path], lower_layers, length=len(new))
+        cache.keep(past, path, upper_layers, length=len(new))
+        past += len(new)
         stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
         generated.extend(new)
         ended = stopped or any(t in stop for t in new)
@@ -313,8 +385,35 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
         out.forward_seconds_per_pass.append(forward_done - start - head_seconds)
         out.head_seconds_per_pass.append(head_done - forward_done + head_seconds)
 
-    out.tokens = torch.tensor([_within_limits(generated, 0, max_new_tokens, stop)], dtype=new_ids.dtype, device=device)
-    return out, past
+    kept_tokens = _within_limits(generated, 0, max_new_tokens, stop)
+    out.tokens = torch.tensor([kept_tokens], dtype=new_ids.dtype, device=device)
+    return out, past, kept_tokens
+
+
+def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tree: DraftTree, node_tokens: torch.Tensor,
+            next_index: torch.Tensor, sampler: Sampler, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify one sequence's draft tree and draft the next, on the device.
+
+    The main stream chooses a token at every node in one LM-head call (argmax, or one draw per
+    node keyed by the sequence index of the token it chooses, `next_index` [N]: draws off the
+    accepted path are never used and the kept ones are those one-token-per-pass sampling
+    makes); a node is accepted when its whole path
+    agrees (`accepted_nodes`); the token chosen at the deepest accepted node is the correction,
+    and the next draft is the top-`width` of that node's streams (a second LM-head call, on its
+    stream rows only). Returns the path [D+1] (node indices, padded past the deepest node),
+    ``summary`` [D+2]: that node's depth, then the path's tokens after the root and the
+    correction (padded), the new root [1] and the next candidates [D, width]."""
+    depth_limit = tree.depth_limit
+    choice = sampler(model.head(main[0]), next_index)  # [N]: node i's choice is the token at next_index[i]
+    best, path = deepest_path(tree, accepted_nodes(tree, node_tokens, choice))
+    depth = tree.depth.index_select(0, best)  # [1]
+    correction = choice.index_select(0, best)  # [1]
+    levels = torch.arange(depth_limit + 1, device=main.device)
+    drafted = torch.cat([node_tokens.index_select(0, path[1:]), correction])
+    tokens = torch.where(levels == depth, correction, drafted)
+    stream_logits = model.head(streams[0].index_select(0, best)[0, :depth_limit])  # [D, V]
+    candidates = stream_logits.topk(width, dim=-1).indices
+    return path, torch.cat([depth, tokens]), correction, candidates
 
 
 class _Clock:
@@ -328,40 +427,6 @@ class _Clock:
         if self.sync:
             torch.cuda.synchronize()
         return time.perf_counter()
-
-
-def accept_path(children: list[list[int]], node_tokens: list[int], choose_at: Callable[[int], torch.Tensor]) -> tuple[list[int], torch.Tensor]:
-    """Verify a draft from the root down: at each node `choose_at(node)` gives the token chosen
-    from the main stream's distribution there (argmax under greedy, else a draw); if a child
-    holds it the walk moves there, else that token is the correction and the node is the deepest
-    accepted one. Returns the accepted path (node indices from the root) and that token."""
-    node, path = 0, [0]
-    while True:
-        token = choose_at(node)
-        chosen = int(token)
-        child = next((c for c in children[node] if node_tokens[c] == chosen), None)
-        if child is None:
-            return path, token
-        node = child
-        path.append(node)
-
-
-def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, children: list[list[int]],
-          node_tokens: list[int], sampler: Sampler, top_k: int, depth: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """`accept_path` on one sequence's tree. The LM head runs only on the nodes of the walk, each
-    call on a node's main row and its first `depth` stream rows (those the next draft reads; on a
-    CPU with packed kernels as cheap as the main row alone), never on the whole tree. Returns the
-    path, the token chosen at its last node, and the top-k candidates [depth, k] of that node's
-    streams (the next draft)."""
-    last: dict[str, torch.Tensor] = {}
-
-    def choose_at(node: int) -> torch.Tensor:
-        logits = model.head(torch.cat([main[0, node : node + 1], streams[0, node, :depth]], dim=0))  # [1 + depth, V]
-        last["streams"] = logits[1:]
-        return sampler(logits[0])
-
-    path, token = accept_path(children, node_tokens, choose_at)
-    return path, token, last["streams"].topk(top_k, dim=-1).indices
 
 
 def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[int]) -> list[int]:

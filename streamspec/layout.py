@@ -138,3 +138,20 @@ def to_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def causal(num_new: int, device: torch.device | None = None) -> torch.Tensor:
     """[1, T, T] lower-triangular visibility among new positions."""
     return torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()[None]
+
+
+def row_allowed(prompt_real: torch.Tensor, row_lengths: torch.Tensor, width: int, num_new: int) -> torch.Tensor:
+    """Who a main query may attend to in a `streamspec.cache.RowCache`, where row b's stored
+    entries are its prompt (``prompt_real`` [B, T0], padding included) then the tokens it
+    accepted, ``row_lengths[b]`` in all, and this pass's ``num_new`` entries follow them.
+
+    Returns [B, num_new, width + num_new] over the cache's region (``width`` ≥ every row's
+    length): new query i of row b sees row b's real entries before ``row_lengths[b] + i``, itself
+    included; entries past a row's own (another row is longer, or rejected drafts) are hidden.
+    """
+    batch, prompt = prompt_real.shape
+    total = width + num_new
+    real = torch.cat([prompt_real, prompt_real.new_ones(batch, total - prompt)], dim=1)
+    keys = torch.arange(total, device=prompt_real.device)
+    limit = row_lengths[:, None, None] + torch.arange(num_new, device=prompt_real.device)[None, :, None]
+    return real[:, None, :] & (keys[None, None, :] <= limit)

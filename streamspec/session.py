@@ -193,9 +193,9 @@ class DecodingSession:
             return keep[0] is not None
 
         if self.streamed:
-            out, cached = speculate(self.model, self.cache, self.cached, new, max_new_tokens, sampler, self.shape,
-                                    self.prune_threshold, stops, on_tokens, _Clock(self.device, False))
-            tokens, passes = out.tokens[0].tolist(), out.forward_passes
+            out, cached, tokens = speculate(self.model, self.cache, self.cached, new, max_new_tokens, sampler,
+                                            self.shape, self.prune_threshold, stops, on_tokens, _Clock(self.device, False))
+            passes = out.forward_passes
             self.cached = cached
         else:
             tokens, passes = self._autoregressive(new, max_new_tokens, sampler, stops, on_tokens)
@@ -215,7 +215,7 @@ class DecodingSession:
             logits = self.model(input_ids=new, position_ids=positions, cache=self.cache, use_cache=True,
                                 logits_to_keep=1).logits[0, -1]
             self.cached += n
-            token = int(sampler(logits))
+            token = int(sampler(logits, torch.tensor(self.cached, device=self.device)))  # the token at index cached
             tokens.append(token)
             if on_tokens([token]) or token in stops:
                 break

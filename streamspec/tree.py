@@ -69,8 +69,8 @@ class DraftTree:
 
     def subset(self, keep: torch.Tensor) -> "DraftTree":
         """The tree restricted to the nodes in `keep` (sorted; must be closed under parents)."""
-        remap = torch.full((self.size,), -1, dtype=torch.long)
-        remap[keep] = torch.arange(len(keep))
+        remap = torch.full((self.size,), -1, dtype=torch.long, device=self.parent.device)
+        remap[keep] = torch.arange(len(keep), device=self.parent.device)
         parent = self.parent[keep]
         return DraftTree(
             top_k=self.top_k,
@@ -147,3 +147,27 @@ def prune_by_transition(tree: DraftTree, tokens: torch.Tensor, early_log_probs: 
         level = tree.depth == d
         keep = torch.where(level, keep[parent] & (transition >= threshold), keep)
     return keep.nonzero().flatten()
+
+
+def accepted_nodes(tree: DraftTree, tokens: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the nodes whose whole path the main stream confirms. A node is accepted when its
+    parent is and its token is the one chosen at its parent (``choice`` [N]: the token the main
+    stream chose at each node, argmax or a draw). The root always is. Tensor operations only, one
+    per depth: nothing is read back to the host."""
+    parent = tree.parent.clamp(min=0)
+    confirmed = tokens == choice[parent]
+    accepted = tree.depth == 0
+    for d in range(1, tree.depth_limit + 1):
+        accepted = torch.where(tree.depth == d, accepted[parent] & confirmed, accepted)
+    return accepted
+
+
+def deepest_path(tree: DraftTree, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deepest accepted node (the first one breadth first when several are as deep) and its
+    path: returns ``best`` [1] and ``path`` [depth_limit + 1], the node at each depth from the
+    root down to ``best`` (entries past its depth are 0). On the device, no host read."""
+    best = torch.where(accepted, tree.depth, -1).argmax().view(1)
+    on_path = tree.ancestors.index_select(0, best)[0]  # [N]
+    levels = torch.arange(tree.depth_limit + 1, device=tree.depth.device)
+    at_level = on_path[None, :] & (tree.depth[None, :] == levels[:, None])  # [D+1, N]
+    return best, at_level.int().argmax(dim=1)

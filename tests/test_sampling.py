@@ -89,6 +89,23 @@ def test_same_seed_same_output(tiny):
     assert len(others) > 1
 
 
+@pytest.mark.parametrize("tree", [1, (2, 1), 3])
+def test_seeded_speculative_sampling_returns_the_one_token_per_pass_tokens(tiny, tree):
+    """Draws are keyed by the token's index, so the drafts change how many tokens a pass keeps,
+    never which: same seed, same tokens as one token per pass, and a batch's first row too."""
+    prompt = torch.tensor([[2, 3, 1]])
+    accepted = 0
+    for seed in range(12):
+        kwargs = dict(temperature=0.9, top_p=0.95, seed=seed)
+        reference = generate(tiny, prompt, 14, speculative=False, **kwargs).tokens
+        out = generate(tiny, prompt, 14, tree_top_k=tree, **kwargs)
+        assert torch.equal(out.tokens, reference), seed
+        accepted += sum(n - 1 for n in out.accepted_per_pass)
+        batch = generate(tiny, torch.cat([prompt, torch.tensor([[4, 4, 1]])]), 14, **kwargs)
+        assert batch.tokens[0, : batch.lengths[0]].tolist() == reference[0].tolist()
+    assert accepted > 10, "drafts must be accepted, or the property was not exercised"
+
+
 def test_sampler_validates_and_warps():
     with pytest.raises(ValueError, match="temperature"):
         Sampler(temperature=-1)

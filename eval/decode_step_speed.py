@@ -1,0 +1,100 @@
+"""Tokens/s of `streamspec.generate` for one-token-per-pass decoding, the chain and draft trees,
+and a batch, with the packed CPU kernels as `streamspec eval` uses them: the figure behind the
+"decode step on the device" before/after table of docs/benchmarks.md.
+
+    python eval/decode_step_speed.py --checkpoint runs/smollm2-reason-lossless-adapters/final \
+        --limit 4 --max-new-tokens 64 --trees 1 2,1,1 3 --batch 4 --repeats 2
+
+Prompts are GSM8K validation problems (rows 1237+) in the checkpoint's chat template; every
+result is checked against one-token-per-pass decoding (greedy), so a faster row that decodes
+something else is reported, not hidden. Pass ``--compile`` to time `generate(..., compile=True)`
+next to the uncompiled rows (when this version has it).
+"""
+
+import argparse
+import inspect
+import json
+import time
+
+import torch
+
+from streamspec.cli import add_device_args, tree_arg
+from streamspec.decoding import generate
+from streamspec.kernels import cpu_kernels_available, pack_linear_layers
+from streamspec.loading import load_for_inference
+from streamspec.reason.tasks import load_problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a streamed checkpoint")
+    parser.add_argument("--offset", type=int, default=1240, help="first GSM8K row (train split; 1237+ is validation)")
+    parser.add_argument("--limit", type=int, default=4, help="problems")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--trees", type=tree_arg, nargs="+", default=[1, (2, 1, 1), 3])
+    parser.add_argument("--batch", type=int, default=0, help="also decode the prompts in batches of this size")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="also time compile=True")
+    add_device_args(parser)
+    args = parser.parse_args()
+    if args.limit < 1 or args.repeats < 1 or args.max_new_tokens < 1 or args.batch < 0:
+        parser.error("--limit, --repeats and --max-new-tokens must be >= 1, --batch >= 0")
+    torch.set_num_threads(args.threads)
+    loaded = load_for_inference(args.checkpoint, device=args.device, dtype=args.dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    device = next(model.parameters()).device
+    if device.type == "cpu" and cpu_kernels_available():
+        pack_linear_layers(model)
+    prompts = []
+    for problem in load_problems(task="gsm8k", offset=args.offset, limit=args.limit):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": problem.question}], tokenize=False,
+                                             add_generation_prompt=True)
+        prompts.append(tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device))
+    eos = tokenizer.eos_token_id
+    can_compile = "compile" in inspect.signature(generate).parameters
+    rows: list[tuple[str, dict]] = [("one token per pass", {"speculative": False})]
+    rows += [(f"tree {t}", {"tree_top_k": t}) for t in args.trees]
+    if args.compile and can_compile:
+        rows += [(f"tree {t}, compile", {"tree_top_k": t, "compile": True}) for t in args.trees]
+    reference: dict[int, list[int]] = {}
+    results: dict[str, dict] = {}
+    for repeat in range(args.repeats):
+        for name, kwargs in rows:
+            seconds = tokens = passes = 0
+            same = True
+            for i, ids in enumerate(prompts):
+                start = time.perf_counter()
+                out = generate(model, ids, args.max_new_tokens, eos_token_id=eos, **kwargs)
+                seconds += time.perf_counter() - start
+                got = out.tokens[0].tolist()
+                reference.setdefault(i, got)
+                same &= got == reference[i]
+                tokens, passes = tokens + len(got), passes + out.forward_passes
+            entry = results.setdefault(name, {"tokens_per_second": [], "tokens_per_pass": None, "identical": True})
+            entry["tokens_per_second"].append(round(tokens / seconds, 2))
+            entry["tokens_per_pass"] = round(tokens / passes, 3)
+            entry["identical"] &= same
+        if args.batch > 1:
+            seconds = tokens = 0
+            same = True
+            for first in range(0, len(prompts), args.batch):
+                group = prompts[first : first + args.batch]
+                batch = tokenizer.pad({"input_ids": [p[0].tolist() for p in group]}, return_tensors="pt")
+                start = time.perf_counter()
+                out = generate(model, batch.input_ids.to(device), args.max_new_tokens, eos_token_id=eos,
+                               attention_mask=batch.attention_mask.to(device))
+                seconds += time.perf_counter() - start
+                for j, n in enumerate(out.lengths):
+                    got = out.tokens[j, :n].tolist()
+                    same &= got == reference[first + j]
+                    tokens += n
+            entry = results.setdefault(f"batch {args.batch}, chain", {"tokens_per_second": [], "identical": True})
+            entry["tokens_per_second"].append(round(tokens / seconds, 2))
+            entry["identical"] &= same
+    print(json.dumps({"device": str(device), "dtype": str(next(model.parameters()).dtype), "threads": args.threads,
+                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The decode step runs on the device: at most one device-to-host read per forward pass (to learn
+what was accepted and whether to stop), for one token per pass, chains, trees, sampling and
+batches; pruning adds one (the number of nodes kept). Reads are counted with a dispatch mode
+that sees every op whose result the host must wait for (a scalar read, a data-dependent shape,
+a copy to the CPU from another device) and every `Tensor.tolist`/`numpy` call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import make_model, random_ids
+from streamspec import StreamConfig, add_streams
+from streamspec.cache import RowCache
+from streamspec.decoding import generate
+from streamspec.layout import row_allowed
+from streamspec.session import DecodingSession
+from streamspec.tree import accepted_nodes, build_tree, deepest_path
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+aten = torch.ops.aten
+# Ops whose result the host has to wait for: a scalar read, or an output whose size depends on
+# the data.
+WAITING_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal,
+               aten.unique_dim, aten._unique2, aten.unique_consecutive, aten.repeat_interleave}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads from the device an op sequence makes (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in WAITING_OPS:
+            self.reads.append(str(func))
+        elif func.overloadpacket in (aten._to_copy, aten.copy_):
+            source = args[1] if func.overloadpacket is aten.copy_ else args[0]
+            target = args[0].device if func.overloadpacket is aten.copy_ else kwargs.get("device")
+            if isinstance(source, torch.Tensor) and source.device.type != "cpu" and target is not None \
+                    and torch.device(target).type == "cpu":
+                self.reads.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def count_reads(monkeypatch):
+    """Yields a `HostReads` that also counts `Tensor.tolist` and `Tensor.numpy` (they read the
+    data without an aten op)."""
+    mode = HostReads()
+    for name in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if mode.active:
+                mode.reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return mode
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    streamed = add_streams(make_model("llama"), StreamConfig(num_streams=3, stream_layers=2)).eval()
+    with torch.no_grad():  # streams that agree with the main stream now and then: varied accepted depths
+        streamed.streams.stream_embeddings.mul_(0.1)
+    return streamed
+
+
+def _bound_holds(mode: HostReads, passes: int, per_pass: int = 1, per_call: int = 0) -> None:
+    assert passes >= 4, "too few passes for the bound to mean anything"
+    assert len(mode.reads) <= per_pass * passes + per_call, (len(mode.reads), passes, mode.reads)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("tree", [1, (2, 1, 1), 3])
+def test_one_read_per_pass_for_one_sequence(model, count_reads, temperature, tree):
+    ids = random_ids(1, 9, seed=1)
+    with count_reads:
+        out = generate(model, ids, 20, tree_top_k=tree, temperature=temperature, seed=0)
+    _bound_holds(count_reads, out.forward_passes)
+
+
+def test_one_read_per_pass_one_token_per_pass(model, count_reads):
+    with count_reads:
+        out = generate(model, random_ids(1, 9, seed=2), 12, speculative=False)
+    _bound_holds(count_reads, out.forward_passes)
+
+
+def test_pruning_reads_the_kept_count_once_more(model, count_reads):
+    with count_reads:
+        out = generate(model, random_ids(1, 9, seed=3), 20, tree_top_k=3, prune_threshold=0.05)
+    _bound_holds(count_reads, out.forward_passes, per_pass=2)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_read_per_pass_for_a_batch(model, count_reads, temperature):
+    ids = random_ids(3, 9, seed=4)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    mask[2, -2:] = 0  # a right-padded row
+    with count_reads:
+        out = generate(model, ids, 16, attention_mask=mask, temperature=temperature, seed=0)
+    _bound_holds(count_reads, out.forward_passes, per_call=1)  # +1: the mask's check for an empty row
+
+
+def test_one_read_per_pass_in_a_session(model, count_reads):
+    session = DecodingSession(model, tree_top_k=(2, 1, 1))
+    session.extend(random_ids(1, 9, seed=5)[0].tolist())
+    with count_reads:
+        out = session.generate(20)
+    _bound_holds(count_reads, out.forward_passes)
+
+
+def test_the_counter_sees_reads(count_reads):
+    """The bound above can fail: the old host-driven walk (an int() per node) is counted."""
+    x = torch.arange(5)
+    with count_reads:
+        int(x[2])
+        x.nonzero()
+        x.tolist()
+        bool(x.sum() > 3)
+    assert len(count_reads.reads) == 4
+
+
+# -- the pieces, on their own -------------------------------------------------------------------
+def test_accepted_nodes_and_deepest_path_match_a_walk():
+    tree = build_tree((2, 2, 1), 3)
+    gen = torch.Generator().manual_seed(0)
+    children = tree.children()
+    for _ in range(200):
+        shift = torch.randint(0, 3, (tree.size,), generator=gen)
+        tokens = (tree.rank + shift[tree.parent.clamp(min=0)]) % 3  # siblings distinct, as top-k candidates are
+        choice = torch.randint(0, 3, (tree.size,), generator=gen)
+        node, walk = 0, [0]  # the host walk: first child holding the chosen token
+        while True:
+            nxt = next((c for c in children[node] if int(tokens[c]) == int(choice[node])), None)
+            if nxt is None:
+                break
+            node = nxt
+            walk.append(node)
+        accepted = accepted_nodes(tree, tokens, choice)
+        best, path = deepest_path(tree, accepted)
+        depth = int(tree.depth[best])
+        assert path[: depth + 1].tolist() == tree.path_to(int(best))
+        assert path[: depth + 1].tolist() == walk
+        for i in range(tree.size):  # accepted == every node on its path confirmed
+            expected = all(int(tokens[c]) == int(choice[p]) for p, c in zip(tree.path_to(i), tree.path_to(i)[1:]))
+            assert bool(accepted[i]) == expected
+
+
+def test_row_cache_keeps_each_row_contiguous():
+    cache = RowCache(1, capacity=4)
+    keys = torch.arange(2 * 3, dtype=torch.float).view(2, 1, 3, 1)  # B=2, 3 new entries
+    k, _ = cache.update(keys, keys, 0)
+    assert k.shape[-2] == 3
+    cache.advance(torch.tensor([3, 3]), 3)
+    cache.main_length = 2  # 2 main entries, then 1 that is not stored (a stream's)
+    new = 100 + torch.arange(2 * 3, dtype=torch.float).view(2, 1, 3, 1)
+    k, _ = cache.update(new, new, 0)
+    assert k.shape[-2] == 3 + 2 + 1 and torch.equal(k[..., -1:, :], new[..., 2:, :])
+    cache.advance(torch.tensor([1, 2]), 5)  # row 0 keeps one new entry, row 1 two
+    cache.main_length = None
+    k, _ = cache.update(new[..., :1, :] + 100, new[..., :1, :], 0)
+    assert k[0, 0, :5, 0].tolist() == [0, 1, 2, 100, 200]  # row 0's rejected entry was overwritten
+    assert k[1, 0, :6, 0].tolist() == [3, 4, 5, 103, 104, 203]
+    allowed = row_allowed(torch.tensor([[False, True, True], [True, True, True]]), cache.row_lengths, 5, 1)
+    assert allowed[0, 0].tolist() == [False, True, True, True, True, False]
+    assert allowed[1, 0].tolist() == [True] * 6
