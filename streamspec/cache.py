@@ -43,7 +43,9 @@ class MainStreamCache:
             return
         size = max(needed, self._capacity if buf is None else 2 * buf.shape[-2])
         shape = (*like.shape[:-2], size, like.shape[-1])
-        keys, values = like.new_empty(shape), like.new_empty(shape)
+        # zeros, not empty: a compiled pass (`StaticCacheView`) attends over the whole buffer with
+        # the unused part masked out, and a masked NaN would still poison the softmax's products
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
         if buf is not None:
             n = self._length[layer_idx]
             keys[..., :n, :] = buf[..., :n, :]
@@ -91,6 +93,40 @@ class MainStreamCache:
     def crop(self, length: int) -> None:
         """Drop every entry at or after `length`."""
         self._length = [min(n, length) for n in self._length]
+
+
+class StaticCacheView:
+    """The cache as a compiled decoding pass sees it: every shape fixed whatever the cache holds.
+
+    It wraps the preallocated per-layer buffers of a `MainStreamCache` (``[1, kv_heads, C,
+    head_dim]``, C the buffer capacity) and the number of stored entries as a 0-dim device tensor
+    `past`, so one compiled graph serves every pass. `update` writes the new main entries at
+    ``past + arange`` (``index_copy_``) and returns the WHOLE buffer followed by the pass's stream
+    entries (which are never stored): attention then runs over ``C + S·γ`` keys under a mask that
+    hides entries at and after ``past + T`` that are not this pass's (see
+    `streamspec.decoding.static_main_allowed`). Entries stored by the pass are counted by the
+    owning cache afterwards (`MainStreamCache.keep` with host integers). The buffers must be
+    zero-initialised (as `MainStreamCache` makes them): masked entries still enter the products.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], past: torch.Tensor) -> None:
+        self.keys, self.values, self.past = keys, values, past
+        self.main_length: int | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        new = key_states.shape[-2]
+        main = new if self.main_length is None else self.main_length
+        at = self.past + torch.arange(main, device=key_states.device)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(-2, at, key_states[..., :main, :])
+        values.index_copy_(-2, at, value_states[..., :main, :])
+        if main == new:
+            return keys, values
+        return (torch.cat([keys, key_states[..., main:, :]], dim=-2),
+                torch.cat([values, value_states[..., main:, :]], dim=-2))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # pragma: no cover - not called by streamspec
+        raise NotImplementedError("a static cache view's length is a device tensor (past)")
 
 
 class RowCache(MainStreamCache):

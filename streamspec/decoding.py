@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .cache import MainStreamCache
+from .cache import MainStreamCache, StaticCacheView
 from .layout import causal, main_allowed
 from .model import StreamedModel
 from .tree import DraftTree, accepted_nodes, build_tree, deepest_path, prune_by_transition, tree_shape
@@ -96,15 +96,22 @@ class Sampler:
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
-    def uniforms(self, index: torch.Tensor, row: torch.Tensor | int = 0) -> torch.Tensor:
+    def key(self) -> int:
+        """The 32-bit key all draws are hashed with (from the seed)."""
+        return _hash32((self.seed & _MASK32) ^ _hash32((self.seed >> 32) & _MASK32))
+
+    def uniforms(self, index: torch.Tensor, row: torch.Tensor | int = 0, key: torch.Tensor | int | None = None) -> torch.Tensor:
         """The uniform numbers in (0, 1) (float64) of the draws for the tokens at sequence indices
-        `index` of rows `row` (broadcast together)."""
+        `index` of rows `row` (broadcast together). `key` is `key()` (computed when None; a
+        compiled pass gives it as a tensor, so that a new seed does not compile again)."""
         index = torch.as_tensor(index)
-        key = _hash32((self.seed & _MASK32) ^ _hash32((self.seed >> 32) & _MASK32))
+        if key is None:
+            key = self.key()
         h = _hash32((index & _MASK32) ^ _hash32((torch.as_tensor(row, device=index.device) & _MASK32) ^ key))
         return (h.double() + 0.5) / 2.0**32
 
-    def __call__(self, logits: torch.Tensor, index: torch.Tensor | None = None, row: torch.Tensor | int = 0) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, index: torch.Tensor | None = None, row: torch.Tensor | int = 0,
+                 key: torch.Tensor | int | None = None) -> torch.Tensor:
         """One token per row: [..., V] logits -> [...] token ids (0-dim from [V]). `index` [...]
         (with `row`) keys each draw (see the class); without it each call gets fresh keys. On the
         device: nothing is read back to the host."""
@@ -116,7 +123,7 @@ class Sampler:
             index = torch.arange(count, device=logits.device).view(probs.shape[:-1]) + self._fresh
             row, self._fresh = -1, self._fresh + count
         cdf = probs.double().cumsum(-1)
-        target = self.uniforms(index.to(logits.device), row) * cdf[..., -1]
+        target = self.uniforms(index.to(logits.device), row, key) * cdf[..., -1]
         token = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1)
         return token.clamp(max=logits.shape[-1] - 1)
 
@@ -245,6 +252,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     profile: bool = False,
+    compile: bool | str = False,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -267,11 +275,27 @@ def generate(
             tokens then end with the ones it was last given.
         profile: on an accelerator, wait for the device around each timed part so that the
             forward / head / overhead split is true (slower; on a CPU the split is always true).
+        compile: run each draft-tree pass (tree tokens, the model, verification and the next
+            draft: everything between two host reads) through ``torch.compile`` with static
+            shapes (one sequence, speculative only). The pass attends over the whole preallocated
+            cache, its capacity rounded up to a multiple of 256 entries, under a mask built on
+            the device from the stored length, so the cache growing never compiles again; the
+            prefill (any prompt length) runs uncompiled. The first call with a given model, tree
+            shape, sampler setting (temperature, top_p, top_k; not the seed) and capacity compiles
+            (seconds to minutes); later ones reuse it. Tokens equal ``compile=False`` (greedy, and
+            sampled with the same seed) up to float rounding of the compiled kernels. True uses
+            the "inductor" backend (a C++ compiler on a CPU); a backend name ("aot_eager",
+            "eager") may be given instead. Refused with ``prune_threshold`` (pruning changes the
+            number of rows in the middle of a pass) and for a batch. The forward/head split of
+            the timings is not made: a pass's whole compiled call counts as forward time.
     """
     batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
     if tree_top_k is None:
         tree_top_k = 1 if batched else 3
     _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative)
+    backend = _compile_backend(compile)
+    if backend is not None:
+        _check_compile(batched, speculative, prune_threshold)
     sampler = Sampler(temperature, top_p, top_k, seed, device=input_ids.device)
     if batched:
         from .batching import generate_batch
@@ -289,13 +313,24 @@ def generate(
     shape = tree_shape(tree_top_k, g)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
-                       _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile))
+                       _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False)
     return out
+
+
+def _check_compile(batched: bool, speculative: bool, prune_threshold: float | None) -> None:
+    if batched:
+        raise ValueError("compile=True decodes one sequence; a batch (B > 1) runs uncompiled")
+    if not speculative:
+        raise ValueError("compile=True compiles the speculative draft-tree pass; speculative=False runs uncompiled")
+    if prune_threshold is not None:
+        raise ValueError("compile=True needs prune_threshold=None: pruning changes the number of tree rows in the "
+                         "middle of a pass, which a static-shape compiled pass cannot follow")
 
 
 def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor, max_new_tokens: int,
               sampler: Sampler, shape: tuple[int, ...], prune_threshold: float | None, stop: set[int],
-              on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock") -> tuple[GenerateOutput, int, list[int]]:
+              on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock",
+              compile: bool | str = False) -> tuple[GenerateOutput, int, list[int]]:
     """The speculative-streaming loop of one sequence, from a cache that already holds `past`
     entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache).
     Arguments are checked by the caller. Returns the output, how many entries the cache then
@@ -308,6 +343,10 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     the host reads one small vector per pass, the accepted tokens and their count, to call
     `on_tokens`, test for stop tokens and set the cache's length. Early-exit pruning reads one
     thing more, the number of nodes kept, since the rest of the pass runs on that many rows.
+
+    With `compile` (True or a backend name; see `generate`), every pass after the prefill is one
+    call of the compiled `_tree_pass` over the cache's whole buffers; `prune_threshold` must then
+    be None.
     """
     device = new_ids.device
     tree = _tree(shape).to(device)
@@ -317,7 +356,13 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     lower_layers = range(model.num_lower_layers)
     upper_layers = range(model.num_lower_layers, len(model.layers))
     out = GenerateOutput(tokens=new_ids.new_zeros(1, 0), forward_passes=0)
-    cache.reserve(past + new_ids.shape[1] + max_new_tokens + tree.size * (1 + model.stream_config.num_streams))
+    backend = _compile_backend(compile)
+    needed = past + new_ids.shape[1] + max_new_tokens + tree.size * (1 + model.stream_config.num_streams)
+    if backend is not None:
+        if prune_threshold is not None:
+            _check_compile(False, True, prune_threshold)
+        needed = -(-needed // _CAPACITY_STEP) * _CAPACITY_STEP  # few distinct capacities: few compilations
+    cache.reserve(needed)
 
     # Prefill: streams at the last new position give the root and the first draft, from one
     # LM-head call over the main row and the stream rows the draft reads.
@@ -344,6 +389,9 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     tree_ok = tree.ancestors[None]
 
     ended = generated[0] in stop or stopped
+    if backend is not None:
+        return _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler,
+                                   tree, width, stop, on_tokens, clock, backend, out, new_ids)
     while len(generated) < max_new_tokens and not ended:
         start = clock()
         head_seconds = 0.0
@@ -390,8 +438,45 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     return out, past, kept_tokens
 
 
+def _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler, tree, width,
+                        stop, on_tokens, clock, backend, out, new_ids):
+    """The loop of `speculate` after the prefill, one compiled `_tree_pass` call per pass."""
+    device = new_ids.device
+    step = _compiled_pass(backend)
+    key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
+    capacity = cache._keys[0].shape[-2]
+    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        while len(generated) < max_new_tokens and not ended:
+            start = clock()
+            if past + tree.size > capacity:  # pragma: no cover - the capacity was reserved for this
+                raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
+            past_t = torch.tensor(past, dtype=torch.long, device=device)
+            path, accepted, root, candidates = step(model, cache._keys, cache._values, past_t, root, candidates, tree,
+                                                    sampler, key, width)
+            forward_done = clock()
+            summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
+            new = summary[1 : summary[0] + 2]
+            head_done = clock()
+            cache.keep(past, path, length=len(new))
+            past += len(new)
+            stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
+            generated.extend(new)
+            ended = stopped or any(t in stop for t in new)
+            end = clock()
+            out.forward_passes += 1
+            out.accepted_per_pass.append(len(new))
+            out.nodes_per_pass.append((tree.size, tree.size))
+            out.seconds_per_pass.append(end - start)
+            out.forward_seconds_per_pass.append(forward_done - start)
+            out.head_seconds_per_pass.append(head_done - forward_done)
+    kept_tokens = _within_limits(generated, 0, max_new_tokens, stop)
+    out.tokens = torch.tensor([kept_tokens], dtype=new_ids.dtype, device=device)
+    return out, past, kept_tokens
+
+
 def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tree: DraftTree, node_tokens: torch.Tensor,
-            next_index: torch.Tensor, sampler: Sampler, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            next_index: torch.Tensor, sampler: Sampler, width: int,
+            key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify one sequence's draft tree and draft the next, on the device.
 
     The main stream chooses a token at every node in one LM-head call (argmax, or one draw per
@@ -404,7 +489,7 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     ``summary`` [D+2]: that node's depth, then the path's tokens after the root and the
     correction (padded), the new root [1] and the next candidates [D, width]."""
     depth_limit = tree.depth_limit
-    choice = sampler(model.head(main[0]), next_index)  # [N]: node i's choice is the token at next_index[i]
+    choice = sampler(model.head(main[0]), next_index, key=key)  # [N]: node i's choice is the token at next_index[i]
     best, path = deepest_path(tree, accepted_nodes(tree, node_tokens, choice))
     depth = tree.depth.index_select(0, best)  # [1]
     correction = choice.index_select(0, best)  # [1]
@@ -414,6 +499,57 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     stream_logits = model.head(streams[0].index_select(0, best)[0, :depth_limit])  # [D, V]
     candidates = stream_logits.topk(width, dim=-1).indices
     return path, torch.cat([depth, tokens]), correction, candidates
+
+
+def static_main_allowed(ancestors: torch.Tensor, past: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`main_allowed` for a pass of a compiled decoding step: [1, N, capacity] over a whole cache
+    buffer whose first `past` (a 0-dim device tensor) entries are stored and whose next N are
+    this pass's tree nodes (`ancestors` [N, N]). Key j is visible to node i iff j < past, or
+    past <= j < past + N and ancestors[i, j - past]; the rest of the buffer is hidden."""
+    n = ancestors.shape[0]
+    rel = torch.arange(capacity, device=ancestors.device) - past  # key j relative to the first node
+    in_tree = (rel >= 0) & (rel < n)
+    tree_part = ancestors.index_select(1, rel.clamp(0, n - 1)) & in_tree  # [N, C]
+    return ((rel < 0) | tree_part)[None]
+
+
+def _tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torch.Tensor], past: torch.Tensor,
+               root: torch.Tensor, candidates: torch.Tensor, tree: DraftTree, sampler: Sampler, key: torch.Tensor,
+               width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draft-tree pass with every shape static (what `compile=True` compiles): the tree's
+    tokens from the root and the candidates, the model over them with the cache buffers seen
+    whole (`StaticCacheView`, `past` a 0-dim device tensor), and `_verify`. Writes the pass's main
+    entries into the buffers at past..past+N; returns `_verify`'s outputs."""
+    cache = StaticCacheView(keys, values, past)
+    capacity = keys[0].shape[-2]
+    tokens = tree.tokens(root[0], candidates)
+    positions = (past + tree.depth)[None]
+    main_ok = static_main_allowed(tree.ancestors, past, capacity)
+    lower = model.run_lower(tokens[None], positions, main_ok, cache)
+    slots = torch.arange(tree.size, device=tokens.device)[None]
+    main, streams = model.run_upper(lower, positions, main_ok, slots, torch.ones_like(slots, dtype=torch.bool), cache)
+    return _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key)
+
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+_CAPACITY_STEP = 256  # compiled passes attend over buffers of a multiple of this many entries
+
+
+@lru_cache(maxsize=None)
+def _compiled_pass(backend: str):
+    """`_tree_pass` through torch.compile with static shapes (one graph per model, tree shape,
+    sampler settings and cache capacity; `past`, the tokens and the seed are tensors)."""
+    return torch.compile(_tree_pass, backend=backend, dynamic=False, fullgraph=True)
+
+
+def _compile_backend(compile: bool | str) -> str | None:
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return "inductor"
+    if compile in COMPILE_BACKENDS:
+        return compile
+    raise ValueError(f"compile must be a bool or one of {list(COMPILE_BACKENDS)}, got {compile!r}")
 
 
 class _Clock:
