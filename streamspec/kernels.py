@@ -59,7 +59,8 @@ class PackedLinear(nn.Linear):
             or w.dtype != torch.float32
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
             or torch.is_autocast_enabled("cpu")
-        ):
+            or torch.compiler.is_compiling()  # a compiled graph chooses its own kernels (the packed
+        ):                                    # weight's cache key reads a storage address)
             return F.linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, _packed(self), b, "none", [], "")
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .cache import MainStreamCache
-from .decoding import Sampler, _Clock, _tree, speculate
+from .decoding import Sampler, _check_compile, _Clock, _compile_backend, _tree, speculate
 from .layout import causal, main_allowed
 from .model import StreamedModel
 from .tree import tree_shape
@@ -67,10 +67,14 @@ class DecodingSession:
         tree_top_k: the draft tree of a streamed model (see `streamspec.decoding.generate`);
             default 3.
         prune_threshold: early-exit pruning of the draft tree (streamed models only).
+        compile: run each draft-tree pass compiled with static shapes (streamed models, without
+            pruning; see `streamspec.decoding.generate`). The compiled pass is shared with
+            `generate` and with other sessions of the model; it compiles again only when the
+            cache's buffers grow.
     """
 
     def __init__(self, model: nn.Module, tree_top_k: int | tuple[int, ...] | None = None,
-                 prune_threshold: float | None = None) -> None:
+                 prune_threshold: float | None = None, compile: bool | str = False) -> None:
         self.model = model
         self.streamed = isinstance(model, StreamedModel)
         if not self.streamed and not hasattr(model, "config"):
@@ -79,8 +83,11 @@ class DecodingSession:
             self.shape = tree_shape(3 if tree_top_k is None else tree_top_k, model.stream_config.num_streams)
             if prune_threshold is not None and not 0 <= prune_threshold < 1:
                 raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")
-        elif tree_top_k is not None or prune_threshold is not None:
-            raise ValueError("tree_top_k and prune_threshold are for streamed models; this model has no streams")
+        elif tree_top_k is not None or prune_threshold is not None or compile:
+            raise ValueError("tree_top_k, prune_threshold and compile are for streamed models; this model has no streams")
+        if _compile_backend(compile) is not None and prune_threshold is not None:
+            _check_compile(False, True, prune_threshold)
+        self.compile = compile
         self.prune_threshold = prune_threshold
         self.device = next(model.parameters()).device
         self.ids: list[int] = []
@@ -194,7 +201,8 @@ class DecodingSession:
 
         if self.streamed:
             out, cached, tokens = speculate(self.model, self.cache, self.cached, new, max_new_tokens, sampler,
-                                            self.shape, self.prune_threshold, stops, on_tokens, _Clock(self.device, False))
+                                            self.shape, self.prune_threshold, stops, on_tokens, _Clock(self.device, False),
+                                            compile=self.compile)
             passes = out.forward_passes
             self.cached = cached
         else:

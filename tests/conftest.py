@@ -148,3 +148,8 @@ def tiny_dir(tmp_path_factory):
     return folder
 
 
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running tests (torch.compile); `make test` runs them, "
+                                       "deselect with -m 'not slow'")
