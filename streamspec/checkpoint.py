@@ -29,6 +29,7 @@ from torch import nn
 from .config import StreamConfig
 from .model import StreamedModel, add_streams
 from .stream_modules import remove_stream_modules, stream_modules_taken_out
+from .zero import gathered
 
 FORMAT = "streamspec-streamed-checkpoint"
 FORMAT_VERSION = 1
@@ -51,8 +52,9 @@ def base_fingerprint(model: nn.Module) -> list[float]:
     """A few numbers that tell one base model from another of the same shape: the sums of the
     first and last 8 rows of its input embedding (which neither LoRA nor streams change), in
     float64 whatever the model's dtype, so a bf16 copy of the same base still matches."""
-    weight = model.get_input_embeddings().weight.detach()
-    rows = torch.cat([weight[:8], weight[-8:]]).to(torch.float64)
+    weight = model.get_input_embeddings().weight
+    with gathered([weight]):  # partitioned under DeepSpeed ZeRO-3
+        rows = torch.cat([weight[:8], weight[-8:]]).detach().to(torch.float64)
     return [round(float(v), 6) for v in rows.sum(dim=1)]
 
 

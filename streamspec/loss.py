@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .kernels import PackedLinear
+from .zero import gathered, is_partitioned
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -70,7 +71,16 @@ def _checkpointed_rows(head, x, targets):
 
 def frozen(module: nn.Module):
     """`module` as a function of its input only: its parameters are used detached, so a loss
-    computed through it sends no gradient into them."""
+    computed through it sends no gradient into them. When none of them trains (LoRA or lossless
+    training, inference) that is the module itself, called as usual (as DeepSpeed ZeRO-3 needs:
+    it gathers a module's partitioned weights around its calls)."""
+    if not any(p.requires_grad for p in module.parameters()):
+        return module
+    if any(is_partitioned(p) for p in module.parameters()):
+        raise NotImplementedError(
+            f"a trainable {type(module).__name__} partitioned by ZeRO-3 cannot be used with detached weights: "
+            "train LoRA (or lossless streams) under ZeRO-3, or use ZeRO-2 for a full fine-tune"
+        )
     params = {name: p.detach() for name, p in module.named_parameters()}
     return lambda *args: torch.func.functional_call(module, params, args)
 
@@ -96,12 +106,18 @@ def weighted_cross_entropy(
     Returns the weighted sum (a differentiable 0-dim tensor) and each row's CE (detached).
     """
     row_weights = row_weights.to(torch.float32)
-    if type(head) in (nn.Linear, PackedLinear) and head.weight.dim() == 2 and head.weight.numel() > 0:
-        weight, bias = head.weight, head.bias
-        if freeze_head:
-            weight, bias = weight.detach(), None if bias is None else bias.detach()
-        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, chunk_size)
-    # Any other head (a peft-wrapped or partitioned one): checkpoint each chunk instead.
+    fused = type(head) in (nn.Linear, PackedLinear) and head.weight.dim() == 2
+    head_trains = not freeze_head and any(p.requires_grad for p in head.parameters())
+    if fused and not (head_trains and is_partitioned(head.weight)):
+        # The forward pass computes every gradient, so a ZeRO-3 weight is gathered for it only
+        # (backward needs no weight). A trainable one takes the checkpointed path instead: its
+        # gradient must reach it through a call of the head module, whose hooks ZeRO-3 serves.
+        with gathered(head.parameters()):
+            weight, bias = head.weight, head.bias
+            if freeze_head:
+                weight, bias = weight.detach(), None if bias is None else bias.detach()
+            return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, row_weights, chunk_size)
+    # Any other head (a peft-wrapped one, say): checkpoint each chunk instead.
     if freeze_head:
         head = frozen(head)
     per_row = []

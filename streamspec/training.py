@@ -33,6 +33,14 @@ from .data.reasoning import load_gsm8k_solutions
 from .data.spider import load_spider
 from .model import StreamedModel, add_streams
 from .recipe import Recipe
+from .zero import (  # noqa: F401  (check_deepspeed_config: part of this module's API)
+    check_deepspeed_config,
+    check_partitioned,
+    check_trainable_checkpoint,
+    gathered,
+    init_deepspeed_comm,
+    save_trainable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -217,12 +225,59 @@ class StreamTrainer(Trainer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_training_checkpoint(model, Path(resume_from_checkpoint))
 
+    # -- checkpoints under DeepSpeed -----------------------------------------------------------
+    def _streamed_deepspeed(self) -> bool:
+        return self.is_deepspeed_enabled and isinstance(self.accelerator.unwrap_model(self.model), StreamedModel)
 
-def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
-    """Load a streamed checkpoint's weights into an already built model (for resume), strictly."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._streamed_deepspeed():
+            return super().save_model(output_dir, _internal_call)
+        # Not the Trainer's way under ZeRO-3 (the whole model gathered into one state dict): only
+        # the trainable weights and the embedding (its fingerprint) are gathered, on every process.
+        model = self.accelerator.unwrap_model(self.model)
+        wanted = [p for p in model.parameters() if p.requires_grad] + [model.hf_model.get_input_embeddings().weight]
+        with gathered(wanted):
+            self._save(output_dir or self.args.output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._streamed_deepspeed():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_trainable(self.model_wrapped, output_dir)  # not a second copy of the frozen base
+        from accelerate.utils import DeepSpeedSchedulerWrapper
+
+        if self.args.should_save and not isinstance(self.lr_scheduler, DeepSpeedSchedulerWrapper):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))  # as the Trainer does
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if resume_from_checkpoint is None or not self._streamed_deepspeed():
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # The Trainer would load the DeepSpeed checkpoint strictly, expecting the frozen base in it:
+        # check it holds exactly the trainable weights, then load it (the base is already in place).
+        folder = Path(resume_from_checkpoint)
+        check_stream_config(self.accelerator.unwrap_model(self.model), folder)
+        check_trainable_checkpoint(self.accelerator.unwrap_model(self.model), folder)
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        load_path, _ = self.model_wrapped.load_checkpoint(
+            str(folder), load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise ValueError(f"DeepSpeed could not load the checkpoint in {folder}")
+        self._load_optimizer_and_scheduler(str(folder))
+        self._load_scaler(str(folder))
+        return model, train_dataloader
+
+
+def check_stream_config(model: StreamedModel, folder: Path) -> dict:
+    """The checkpoint's metadata, refused when it was trained with another stream config."""
     meta = read_checkpoint_meta(folder)
     if meta["stream_config"] != model.stream_config.to_dict():
         raise ValueError(f"{folder} was trained with another stream config: {meta['stream_config']}")
+    return meta
+
+
+def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
+    """Load a streamed checkpoint's weights into an already built model (for resume), strictly."""
+    meta = check_stream_config(model, folder)
     if meta.get("merged"):
         from transformers.modeling_utils import load_state_dict
 
@@ -304,30 +359,6 @@ def training_arguments(recipe: Recipe) -> TrainingArguments:
     )
 
 
-def check_deepspeed_config(recipe: Recipe) -> dict | None:
-    """Read and check the recipe's DeepSpeed config; ZeRO-3 is refused for streamed models."""
-    path = recipe.training.deepspeed
-    if path is None:
-        return None
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"training.deepspeed: {path} does not exist")
-    try:
-        config = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"training.deepspeed: {path} is not valid JSON ({err})") from err
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"training.deepspeed: zero_optimization.stage must be 0..3, got {stage!r}")
-    if stage == 3 and recipe.streams is not None:
-        # The stream parameters and the fused loss read weights outside their modules' forward,
-        # where ZeRO-3 has them partitioned.
-        raise ValueError(
-            "training.deepspeed: ZeRO-3 is not supported for streamed models yet; use ZeRO-2 "
-            "(recipes/deepspeed/zero2.json). ZeRO-3 works for the next-token baseline (streams: null)."
-        )
-    return config
-
-
 def _configure_wandb(recipe: Recipe) -> None:
     if recipe.training.report_to != "wandb":
         return
@@ -350,10 +381,14 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     _configure_wandb(recipe)
+    # The arguments first: with a ZeRO-3 config they register it globally, and `from_pretrained`
+    # then loads the base already partitioned across the processes (never whole on one).
+    args = training_arguments(recipe)
+    init_deepspeed_comm(args)
     set_seed(recipe.training.seed)  # before the model: stream vectors and LoRA are initialised randomly
     model, tokenizer = build_model(recipe)
+    check_partitioned(model)
     train_set, validation_set = build_datasets(recipe, tokenizer)
-    args = training_arguments(recipe)
     if validation_set is None:
         args.eval_strategy = "no"
     if recipe.training.gradient_checkpointing and isinstance(model, StreamedModel):

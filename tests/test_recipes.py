@@ -70,8 +70,7 @@ def test_every_recipe_loads_and_names_its_own_command(path, monkeypatch):
     # Shipped recipes stay consistent with what training accepts.
     assert recipe.data.has_validation
     assert recipe.training.output_dir.startswith("runs/")
-    # Its DeepSpeed config (a path relative to the repository root) exists and suits the recipe
-    # (no ZeRO-3 with streams).
+    # Its DeepSpeed config (a path relative to the repository root) exists and suits the recipe.
     monkeypatch.chdir(ROOT)
     config = check_deepspeed_config(recipe)
     assert (config is None) == (recipe.training.deepspeed is None)
@@ -232,12 +231,9 @@ def test_training_arguments_follow_the_recipe(tmp_path):
 def test_deepspeed_configs_are_valid(path, stage):
     config = json.loads(path.read_text())
     assert config["zero_optimization"]["stage"] == stage
-    # A streamed recipe accepts ZeRO-2 only; the next-token baseline accepts both.
-    next_token = load_recipe(NEXT_TOKEN, [f"training.deepspeed={path}"])
-    assert check_deepspeed_config(next_token) == config
-    streamed = load_recipe(SQL, [f"training.deepspeed={path}"])
-    if stage == 2:
-        assert check_deepspeed_config(streamed) == config
+    # Streamed recipes and the next-token baseline accept both.
+    for recipe in (NEXT_TOKEN, SQL):
+        assert check_deepspeed_config(load_recipe(recipe, [f"training.deepspeed={path}"])) == config
 
 
 @pytest.mark.parametrize("path, stage", [(ZERO2, 2), (ZERO3, 3)])
@@ -270,11 +266,16 @@ def test_deepspeed_configs_parse_in_transformers(path, stage, tmp_path):
     assert not is_deepspeed_zero3_enabled()
 
 
-def test_zero3_is_refused_for_streamed_recipes():
-    for name in ("sql.yaml", "sql_lossless.yaml", "summarize.yaml"):
-        recipe = load_recipe(SMOLLM2 / name, [f"training.deepspeed={ZERO3}"])
-        with pytest.raises(ValueError, match="ZeRO-3"):
-            check_deepspeed_config(recipe)
+def test_zero3_takes_streamed_recipes_except_a_full_fine_tune():
+    # LoRA (shared mode) and lossless streams train under ZeRO-3 (tests/test_training.py runs it).
+    for name in ("sql.yaml", "sql_lossless.yaml", "sql_lossless_adapters.yaml", "summarize.yaml"):
+        assert check_deepspeed_config(load_recipe(SMOLLM2 / name, [f"training.deepspeed={ZERO3}"])) is not None
+    # A full fine-tune with streams saves merged checkpoints (the whole base) and uses the
+    # base's norm and head with detached weights: ZeRO-2 only.
+    full = load_recipe(SQL, [f"training.deepspeed={ZERO3}", "lora.enabled=false"])
+    with pytest.raises(ValueError, match="ZeRO-3 trains streamed models with LoRA.*ZeRO-2"):
+        check_deepspeed_config(full)
+    assert check_deepspeed_config(load_recipe(SQL, [f"training.deepspeed={ZERO2}", "lora.enabled=false"])) is not None
 
 
 def test_deepspeed_config_errors(tmp_path):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,28 +124,95 @@ def test_export_command_merges_into_a_self_contained_folder(tiny_dir, tmp_path):
     torch.testing.assert_close(a.stream_logits, b.stream_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_deepspeed_zero2_two_processes_on_cpu(tiny_dir, tmp_path):
-    out = tmp_path / "ds"
-    overrides = _overrides(
-        tiny_dir, out, **{"training.max_steps": 4, "training.deepspeed": str(ROOT / "recipes/deepspeed/zero2.json")}
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           "train/finetune.py", "--recipe", str(RECIPE), *overrides]
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _short_sql_rows(folder: Path) -> dict[str, str]:
+    """Real Spider questions and queries without their schemas: short rows, quick steps."""
+    from streamspec.data import load_spider
+
+    paths = {}
+    for split, name, count in (("train", "data.path", 16), ("validation", "data.validation_path", 4)):
+        path = folder / f"{split}.jsonl"
+        rows = load_spider(split)[:count]
+        path.write_text("".join(json.dumps({"prompt": r["question"], "completion": r["query"]}) + "\n" for r in rows))
+        paths[name] = str(path)
+    return paths
+
+
+def _deepspeed_run(out, stage, data, resume=False):
+    overrides = [
+        f"training.output_dir={out}", "training.max_steps=4", "training.save_steps=2", "training.eval_steps=4",
+        "training.logging_steps=1", "training.batch_size=1", "training.learning_rate=1e-3", "training.warmup_ratio=0",
+        "training.report_to=none", f"training.deepspeed={ROOT / 'recipes' / 'deepspeed' / f'zero{stage}.json'}",
+        "data.task=custom", "data.max_length=128", "lora.r=4", *(f"{k}={v}" for k, v in data.items()),
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "train/finetune.py", "--recipe", str(RECIPE), *overrides, *(["--resume"] if resume else [])]
     proc = _cli(cmd)
     output = proc.stdout.read()
     assert proc.wait(timeout=600) == 0, output[-5000:]
+    return output
 
-    # The exported streamed checkpoint holds exactly the weights DeepSpeed trained.
-    states = list((out / "checkpoint-4").glob("global_step*/mp_rank_00_model_states.pt"))
-    assert len(states) == 1, output[-3000:]
-    module = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
-    exported = load_streamed(out / "final").state_dict()
-    trained = {k: v for k, v in module.items() if "lora_" in k or k.startswith("streams.")}
-    assert any(k.startswith("streams.") for k in trained) and any("lora_" in k for k in trained)
-    for key, value in trained.items():
-        assert torch.equal(exported[key].float(), value.float()), key
-    summary = json.loads((out / "training_summary.json").read_text())
-    assert summary["steps"] == 4
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_two_processes_train_and_resume_smollm2(stage, tmp_path):
+    """SmolLM2-135M with streams and LoRA under DeepSpeed ZeRO-2 / ZeRO-3, 2 CPU processes (gloo):
+    checkpoints hold the trainable weights and their optimizer state, not the frozen base; a run
+    resumed from a checkpoint continues at its step on the uninterrupted run's losses; the export
+    loads strictly and holds exactly DeepSpeed's float32 master weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from streamspec.assets import default_model_path
+    from streamspec.checkpoint import CheckpointError
+    from streamspec.training import build_model
+    from streamspec.zero import check_trainable_checkpoint
+
+    data = _short_sql_rows(tmp_path)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    output = _deepspeed_run(straight, stage, data)
+    if stage == 3:
+        assert "ZeRO-3: the base is loaded partitioned" in output
+
+    # (a) Trainable weights and optimizer state only: a small fraction of the base's weights.
+    checkpoint = straight / "checkpoint-2"
+    size = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    base_size = (Path(default_model_path()) / "model.safetensors").stat().st_size
+    assert size < base_size / 20, (size, base_size)
+
+    # (b) Resume from a copy of checkpoint-2 (as after a preemption): steps 3 and 4 and the
+    # validation at step 4 are those of the uninterrupted run.
+    shutil.copytree(checkpoint, resumed / "checkpoint-2")
+    output = _deepspeed_run(resumed, stage, data, resume=True)
+    assert "resuming from" in output
+    expected = json.loads((straight / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    got = json.loads((resumed / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    for key in ("loss", "eval_loss", "eval_stream_3_top1"):
+        a = {h["step"]: h[key] for h in expected if key in h}
+        b = {h["step"]: h[key] for h in got if key in h}
+        assert a and a == pytest.approx(b, rel=1e-5), (key, a, b)
+    assert 4 in {h["step"] for h in got if "eval_loss" in h}
+
+    # (c) The export loads with streamspec's strict loading, is the same for both runs, and holds
+    # exactly the float32 masters DeepSpeed trained (the trainable weights, nothing else).
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(resumed / "checkpoint-4"))
+    exported = load_streamed(resumed / "final").state_dict()
+    uninterrupted = load_streamed(straight / "final").state_dict()
+    trainable = {n for n, p in load_streamed(resumed / "final").named_parameters() if "lora_" in n or n.startswith("streams.")}
+    assert set(masters) == trainable
+    for name, value in masters.items():
+        assert torch.equal(exported[name], value), name
+        torch.testing.assert_close(uninterrupted[name], value, rtol=1e-5, atol=1e-7)
+    assert json.loads((resumed / "training_summary.json").read_text())["steps"] == 4
+
+    # Resume refuses a checkpoint whose weights are not exactly the model's trainable ones.
+    if stage == 2:
+        other, _ = build_model(load_recipe(RECIPE, ["lora.r=8"]))
+        with pytest.raises(CheckpointError, match="mis-shaped"):
+            check_trainable_checkpoint(other, checkpoint)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
