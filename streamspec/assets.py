@@ -113,15 +113,27 @@ def load_default_tokenizer():
     return AutoTokenizer.from_pretrained(default_model_path())
 
 
+REASON_ASSETS_HINT = "make reason-assets (or: python -m streamspec.reason.assets)"
+
+
 def builtin_model_path(name_or_path: str) -> str:
-    """The local folder behind a ``streamspec:`` id (converting it on first use); any other name
-    or path comes back unchanged."""
+    """The local folder behind a ``streamspec:`` id; any other name or path comes back unchanged.
+
+    The default model is converted on first use. The opt-in reasoning models
+    (``streamspec:Qwen2.5-Coder-0.5B-Instruct``, ...) are joined and converted into the cache by
+    `streamspec.reason.assets` (``make reason-assets``); here their folder is only looked up (any
+    case), so this module does not depend on the reasoning package.
+    """
     if name_or_path == DEFAULT_MODEL_ID:
         return str(default_model_path())
     if name_or_path.startswith(BUILTIN_PREFIX):
-        from .reason.assets import reason_model_path
-
-        return str(reason_model_path(name_or_path))
+        title = name_or_path[len(BUILTIN_PREFIX):]
+        root = cache_dir()
+        found = [p for p in root.iterdir() if p.name.lower() == title.lower()] if root.is_dir() else []
+        if found and (found[0] / "config.json").is_file():
+            return str(found[0])
+        raise FileNotFoundError(f"{name_or_path} is not in the model cache ({root}); install and convert it with: "
+                                f"{REASON_ASSETS_HINT}")
     return name_or_path
 
 

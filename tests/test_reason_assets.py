@@ -136,9 +136,14 @@ def test_streamspec_ids_resolve_through_the_table(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     assert assets.builtin_model_path("streamspec:Qwen2.5-Coder-0.5B-Instruct") == str(folder)
+    assert assets.builtin_model_path("streamspec:qwen2.5-coder-0.5b-instruct") == str(folder)  # any case
     assert assets.builtin_model_path("org/some-model") == "org/some-model"
-    with pytest.raises(ValueError, match="unknown reasoning model"):
-        assets.builtin_model_path("streamspec:NoSuchModel")
+    for missing in ("streamspec:NoSuchModel", "streamspec:Qwen2.5-Coder-1.5B-Instruct"):  # not converted here
+        with pytest.raises(FileNotFoundError, match="make reason-assets"):
+            assets.builtin_model_path(missing)
+    (folder / "config.json").unlink()  # a folder without a model is not one
+    with pytest.raises(FileNotFoundError, match="make reason-assets"):
+        assets.builtin_model_path("streamspec:Qwen2.5-Coder-0.5B-Instruct")
 
 
 # ---------------------------------------------------------------------------------------------
