@@ -32,7 +32,7 @@ def add_device_args(parser: argparse.ArgumentParser, device: bool = True, dtype_
 
 def check_device_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse an unknown --device / --dtype (or a CUDA device on a machine without one) at once."""
-    from .loading import resolve_device, resolve_dtype
+    from .devices import resolve_device, resolve_dtype
 
     try:
         if getattr(args, "device", None) is not None:

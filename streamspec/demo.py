@@ -23,7 +23,8 @@ def introduce(example_index: int = 0, device: str = "auto", dtype: str = "auto")
     """Print what the streams add to the default model and what they predict; return the numbers.
     The model runs on `device` in `dtype` (see `streamspec.loading`)."""
     from .assets import DEFAULT_MODEL_ID
-    from .loading import dtype_name, load_for_inference
+    from .devices import dtype_name
+    from .loading import load_for_inference
 
     torch.manual_seed(0)
     loaded = load_for_inference(DEFAULT_MODEL_ID, device=device, dtype=dtype, cpu_kernels=False)

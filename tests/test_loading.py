@@ -33,7 +33,8 @@ from streamspec.cli import main as cli_main
 from streamspec.decoding import generate
 from streamspec.inference import generate_text
 from streamspec.kernels import PackedLinear, cpu_kernels_available
-from streamspec.loading import base_dtype, load_for_inference, resolve_device, resolve_dtype
+from streamspec.devices import base_dtype, resolve_device, resolve_dtype
+from streamspec.loading import load_for_inference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

@@ -25,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..loading import LoadedModel, dtype_name
+from ..devices import dtype_name
+from ..loading import LoadedModel
 from .engine import Engine, Job, Piece, Result, TokenScore
 from .protocol import (
     APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,

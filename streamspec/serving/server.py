@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..loading import dtype_name, load_for_inference
+from ..devices import dtype_name
+from ..loading import load_for_inference
 from .app import create_app
 
 
