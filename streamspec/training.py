@@ -182,6 +182,8 @@ class StreamTrainer(Trainer):
             elapsed = time.perf_counter() - self._since
             tokens = self._tokens * self.args.world_size
             logs["tokens_per_second"] = round(tokens / elapsed, 1) if elapsed > 0 else 0.0
+            if torch.cuda.is_available():
+                logs["peak_gpu_memory_mib"] = peak_gpu_memory_mib()
             self._parts, self._parts_batches, self._tokens, self._since = {}, 0, 0, time.perf_counter()
         super().log(logs, start_time)
 
@@ -430,6 +432,21 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     return summary
 
 
+def peak_gpu_memory_mib() -> int | None:
+    """The most GPU memory this process's tensors have held (torch's allocator; MiB), or None
+    without CUDA. The training summary reports the largest over the processes (one per GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**20)
+
+
+def _largest_over_processes(trainer: Trainer, value: int | None) -> int | None:
+    """The largest of every process's `value` (a collective: every process calls it)."""
+    if value is None or trainer.args.world_size == 1:
+        return value
+    return int(trainer.accelerator.gather(torch.tensor([value], device=trainer.args.device)).max())
+
+
 def _summary(trainer: Trainer, result, wall: float) -> dict[str, Any]:
     history = trainer.state.log_history
     train_logs = [h for h in history if "loss" in h and "eval_loss" not in h]
@@ -447,6 +464,7 @@ def _summary(trainer: Trainer, result, wall: float) -> dict[str, Any]:
         "wall_seconds": round(wall, 1),
         "seconds_per_step": round(wall / steps, 3) if steps else None,
         "peak_rss_mib": peak,
+        "peak_gpu_memory_mib": _largest_over_processes(trainer, peak_gpu_memory_mib()),
         "train_loss": result.training_loss,
         "final_losses": {k: v for k, v in (train_logs[-1] if train_logs else {}).items() if k.startswith("loss")},
         "validation": [

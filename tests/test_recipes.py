@@ -7,6 +7,9 @@ conversion), the Spider / ACLSum data shipped in packages, and tiny random model
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -422,3 +425,53 @@ def test_summarize_real_counts(single_thread):
         assert metrics[f"{term}_loss"] == round(counts[f"{term}_loss_sum"] / counts[f"{term}_count"], 4)
         assert metrics[f"{term}_top1"] == round(counts[f"{term}_correct"] / counts[f"{term}_count"], 4)
         assert 0.0 <= metrics[f"{term}_top1"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The SLURM template
+# ---------------------------------------------------------------------------------------------
+
+SBATCH = ROOT / "recipes" / "llama-3.1-8b" / "slurm.sbatch"
+
+
+def _run_sbatch(tmp_path, *args):
+    """The template run by bash as sbatch would, with stand-ins for srun (runs its command),
+    scontrol (two nodes) and torchrun (records its arguments)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stand_ins = {
+        "srun": 'while [[ "$1" == --* ]]; do shift; done\nexec "$@"',
+        "scontrol": 'echo node-a\necho node-b',
+        "torchrun": f'printf "%s\\n" "$@" > {tmp_path / "torchrun.args"}',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8"}
+    (tmp_path / "torchrun.args").unlink(missing_ok=True)
+    proc = subprocess.run(["bash", str(SBATCH), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    recorded = tmp_path / "torchrun.args"
+    return proc, recorded.read_text().splitlines() if recorded.is_file() else None
+
+
+def test_slurm_template_launches_torchrun_on_every_node_and_resumes_on_requeue(tmp_path):
+    out = tmp_path / "run"
+    recipe = "recipes/llama-3.1-8b/sql_zero2.yaml"
+    proc, args = _run_sbatch(tmp_path, recipe, f"training.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert args[:10] == ["--nnodes", "2", "--nproc_per_node", "8", "--rdzv_id", "4242", "--rdzv_backend", "c10d",
+                         "--rdzv_endpoint", "node-a:29500"]
+    assert args[10:] == ["train/finetune.py", "--recipe", recipe, f"training.output_dir={out}"]
+    assert all((ROOT / a).is_file() for a in args if a.endswith((".py", ".yaml")))
+
+    (out / "checkpoint-10").mkdir(parents=True)  # cut short while saving: not complete
+    assert _run_sbatch(tmp_path, recipe, f"training.output_dir={out}")[1][-1] != "--resume"
+    (out / "checkpoint-10" / "trainer_state.json").write_text("{}")
+    proc, args = _run_sbatch(tmp_path, recipe, f"training.output_dir={out}")  # the requeued job
+    assert args[-1] == "--resume" and "resuming from the latest checkpoint" in proc.stdout
+
+    proc, args = _run_sbatch(tmp_path)
+    assert proc.returncode == 2 and "usage" in proc.stderr and args is None
+    proc, args = _run_sbatch(tmp_path, recipe, "training.no_such_key=1")  # a recipe error stops the job
+    assert proc.returncode != 0 and "no_such_key" in proc.stderr and args is None

@@ -60,6 +60,7 @@ def test_run_exports_checkpoint_and_logs_to_wandb(tiny_dir, tmp_path, monkeypatc
     summary = run_training(recipe)
 
     assert summary["steps"] == 6
+    assert summary["peak_gpu_memory_mib"] is None and summary["peak_rss_mib"] > 0  # on CUDA: the largest GPU's peak
     assert set(summary["final_losses"]) >= {"loss", "loss_main", "loss_stream_1", "loss_stream_3", "loss_early_exit"}
     assert summary["validation"] and "eval_stream_3_top1" in summary["validation"][-1]
     on_disk = json.loads((tmp_path / "run" / "training_summary.json").read_text())
