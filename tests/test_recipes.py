@@ -132,6 +132,12 @@ def test_override_errors_name_the_key(override, key):
     assert key in str(err.value)
 
 
+def test_one_mixed_precision_at_a_time():
+    with pytest.raises(ValueError, match="training.bf16 and training.fp16 are exclusive"):
+        load_recipe(SQL, ["training.bf16=true", "training.fp16=true"])
+    assert load_recipe(SQL, ["training.fp16=true"]).training.fp16
+
+
 def test_unknown_section_in_file(tmp_path):
     path = _write_recipe(tmp_path, "optimizer:\n  lr: 0.1\n")
     with pytest.raises(ValueError, match="optimizer"):
