@@ -20,6 +20,7 @@ import torch
 from .cache import MainStreamCache, StaticCacheView
 from .layout import causal, main_allowed
 from .model import StreamedModel
+from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost, tree_from_parents
 from .tree import DraftTree, accepted_nodes, build_tree, deepest_path, prune_by_transition, tree_shape
 
 
@@ -235,6 +236,17 @@ def _tree(shape: tuple[int, ...]) -> DraftTree:
     return build_tree(shape, len(shape))
 
 
+@lru_cache(maxsize=16)
+def _host_tree(shape: tuple[int, ...]) -> StreamTreeOnHost:
+    return StreamTreeOnHost.of(shape)
+
+
+def _lookup_nodes(stream_nodes: int, lookup: PromptLookup) -> int:
+    """The most nodes a tree with lookup branches can have."""
+    most = stream_nodes + lookup.matches * lookup.tokens
+    return most if lookup.budget is None else max(stream_nodes, min(most, lookup.budget))
+
+
 @torch.no_grad()
 def generate(
     model: StreamedModel,
@@ -253,6 +265,7 @@ def generate(
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     profile: bool = False,
     compile: bool | str = False,
+    lookup: PromptLookup | None = None,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -288,6 +301,10 @@ def generate(
             "eager") may be given instead. Refused with ``prune_threshold`` (pruning changes the
             number of rows in the middle of a pass) and for a batch. The forward/head split of
             the timings is not made: a pass's whole compiled call counts as forward time.
+        lookup: prompt-lookup branches in the stream tree (`streamspec.lookup.PromptLookup`):
+            each pass, continuations of the text's latest n-gram found earlier in the prompt or
+            the generated text join the tree as extra branches, verified in the same pass. Exact
+            like the stream tree. One sequence, uncompiled, without pruning.
     """
     batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
     if tree_top_k is None:
@@ -296,6 +313,7 @@ def generate(
     backend = _compile_backend(compile)
     if backend is not None:
         _check_compile(batched, speculative, prune_threshold)
+    _check_lookup(lookup, batched, speculative, prune_threshold, backend)
     sampler = Sampler(temperature, top_p, top_k, seed, device=input_ids.device)
     if batched:
         from .batching import generate_batch
@@ -313,8 +331,21 @@ def generate(
     shape = tree_shape(tree_top_k, g)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
-                       _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False)
+                          _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
+                          lookup=lookup)
     return out
+
+
+def _check_lookup(lookup, batched: bool, speculative: bool, prune_threshold, backend) -> None:
+    if lookup is None:
+        return
+    if not isinstance(lookup, PromptLookup):
+        raise TypeError(f"lookup must be a streamspec.lookup.PromptLookup or None, got {type(lookup).__name__}")
+    for refused, why in ((batched, "a batch (B > 1)"), (not speculative, "speculative=False"),
+                         (prune_threshold is not None, "prune_threshold (pruning needs the stream tree's node order)"),
+                         (backend is not None, "compile (a lookup tree changes shape every pass)")):
+        if refused:
+            raise ValueError(f"lookup branches are for one sequence's uncompiled speculative decoding; not with {why}")
 
 
 def _check_compile(batched: bool, speculative: bool, prune_threshold: float | None) -> None:
@@ -330,7 +361,8 @@ def _check_compile(batched: bool, speculative: bool, prune_threshold: float | No
 def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor, max_new_tokens: int,
               sampler: Sampler, shape: tuple[int, ...], prune_threshold: float | None, stop: set[int],
               on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock",
-              compile: bool | str = False) -> tuple[GenerateOutput, int, list[int]]:
+              compile: bool | str = False, lookup: PromptLookup | None = None,
+              history: list[int] | None = None) -> tuple[GenerateOutput, int, list[int]]:
     """The speculative-streaming loop of one sequence, from a cache that already holds `past`
     entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache).
     Arguments are checked by the caller. Returns the output, how many entries the cache then
@@ -347,6 +379,11 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     With `compile` (True or a backend name; see `generate`), every pass after the prefill is one
     call of the compiled `_tree_pass` over the cache's whole buffers; `prune_threshold` must then
     be None.
+
+    With `lookup`, each pass's tree is the stream tree with the lookup branches merged in
+    (`streamspec.lookup`), built on the host from the tokens it has read: the pass's one read
+    then carries the next stream candidates too. `history` is the text before `new_ids` (the
+    tokens whose entries the cache holds) for the lookup; `generate` has none.
     """
     device = new_ids.device
     tree = _tree(shape).to(device)
@@ -357,7 +394,8 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     upper_layers = range(model.num_lower_layers, len(model.layers))
     out = GenerateOutput(tokens=new_ids.new_zeros(1, 0), forward_passes=0)
     backend = _compile_backend(compile)
-    needed = past + new_ids.shape[1] + max_new_tokens + tree.size * (1 + model.stream_config.num_streams)
+    most_nodes = tree.size if lookup is None else _lookup_nodes(tree.size, lookup)
+    needed = past + new_ids.shape[1] + max_new_tokens + most_nodes * (1 + model.stream_config.num_streams)
     if backend is not None:
         if prune_threshold is not None:
             _check_compile(False, True, prune_threshold)
@@ -383,22 +421,37 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [end - start]
     out.forward_seconds_per_pass, out.head_seconds_per_pass = [forward_done - start], [end - forward_done]
     past += length
-    everything = torch.arange(tree.size, device=device)
-    every_slot_valid = torch.ones(1, tree.size, dtype=torch.bool, device=device)
-    ones = torch.ones(1, past + max_new_tokens + tree.size, dtype=torch.bool, device=device)
+    all_nodes = torch.arange(most_nodes, device=device)
+    all_valid = torch.ones(1, most_nodes, dtype=torch.bool, device=device)
+    everything, every_slot_valid = all_nodes[: tree.size], all_valid[:, : tree.size]
+    ones = torch.ones(1, past + max_new_tokens + most_nodes, dtype=torch.bool, device=device)
     tree_ok = tree.ancestors[None]
+    if lookup is not None:
+        text = NgramIndex(lookup.ngram)
+        text.extend(list(history or []) + new_ids[0].tolist() + generated)
+        stream_tree = _host_tree(shape)
+        host_candidates = read_to_host(candidates)  # the first draft's tokens, for merging (then carried by each pass's read)
 
     ended = generated[0] in stop or stopped
     if backend is not None:
         return _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler,
                                    tree, width, stop, on_tokens, clock, backend, out, new_ids)
+    step_tree = tree
     while len(generated) < max_new_tokens and not ended:
         start = clock()
         head_seconds = 0.0
-        tokens = tree.tokens(root[0], candidates)
-        positions = (past + tree.depth)[None]
-        lower = model.run_lower(tokens[None], positions, main_allowed(tree_ok, ones[:, : past + tree.size]), cache)
-        kept, sub, sub_ok = everything, tree, tree_ok
+        if lookup is None:
+            tokens = tree.tokens(root[0], candidates)
+        else:  # the stream tree with the lookup branches merged in, from tokens the host has
+            parents, host_tokens = stream_tree.with_branches(generated[-1], host_candidates,
+                                                             text.continuations(lookup), lookup.budget)
+            step_tree = tree if len(parents) == tree.size else tree_from_parents(parents, depth_limit, shape).to(device)
+            tokens = torch.tensor(host_tokens, dtype=new_ids.dtype, device=device)
+            everything, every_slot_valid = all_nodes[: step_tree.size], all_valid[:, : step_tree.size]
+            tree_ok = step_tree.ancestors[None]
+        positions = (past + step_tree.depth)[None]
+        lower = model.run_lower(tokens[None], positions, main_allowed(tree_ok, ones[:, : past + step_tree.size]), cache)
+        kept, sub, sub_ok = everything, step_tree, tree_ok
         if prune_threshold is not None:
             # Only parents' transition rows are read: no full-vocabulary logits for the leaves.
             mark = clock()
@@ -415,8 +468,14 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
             lower, positions, main_allowed(sub_ok, ones[:, : past + n]), slots, every_slot_valid[:, :n], cache
         )
         forward_done = clock()
-        path, accepted, root, candidates = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler, width)
-        summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
+        path, accepted, root, candidates = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler, width,
+                                                   draft_depth=depth_limit)
+        if lookup is None:
+            summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
+        else:  # ... and the next candidates, to merge the next branches into
+            summary = read_to_host(torch.cat([accepted, candidates.flatten()]))
+            flat, summary = summary[len(accepted):], summary[: len(accepted)]
+            host_candidates = [flat[d * width : (d + 1) * width] for d in range(depth_limit)]
         new = summary[1 : summary[0] + 2]
         head_done = clock()
         cache.keep(past, kept[path], lower_layers, length=len(new))
@@ -424,11 +483,13 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
         past += len(new)
         stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
         generated.extend(new)
+        if lookup is not None:
+            text.extend(new)
         ended = stopped or any(t in stop for t in new)
         end = clock()
         out.forward_passes += 1
         out.accepted_per_pass.append(len(new))
-        out.nodes_per_pass.append((tree.size, n))
+        out.nodes_per_pass.append((step_tree.size, n))
         out.seconds_per_pass.append(end - start)
         out.forward_seconds_per_pass.append(forward_done - start - head_seconds)
         out.head_seconds_per_pass.append(head_done - forward_done + head_seconds)
@@ -476,7 +537,8 @@ def _speculate_compiled(model, cache, past, root, candidates, generated, ended, 
 
 def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tree: DraftTree, node_tokens: torch.Tensor,
             next_index: torch.Tensor, sampler: Sampler, width: int,
-            key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            key: torch.Tensor | None = None, draft_depth: int | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify one sequence's draft tree and draft the next, on the device.
 
     The main stream chooses a token at every node in one LM-head call (argmax, or one draw per
@@ -487,7 +549,8 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     and the next draft is the top-`width` of that node's streams (a second LM-head call, on its
     stream rows only). Returns the path [D+1] (node indices, padded past the deepest node),
     ``summary`` [D+2]: that node's depth, then the path's tokens after the root and the
-    correction (padded), the new root [1] and the next candidates [D, width]."""
+    correction (padded), the new root [1] and the next candidates [draft_depth, width] (the
+    stream tree's depth; a tree with lookup branches may be deeper)."""
     depth_limit = tree.depth_limit
     choice = sampler(model.head(main[0]), next_index, key=key)  # [N]: node i's choice is the token at next_index[i]
     best, path = deepest_path(tree, accepted_nodes(tree, node_tokens, choice))
@@ -496,7 +559,7 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     levels = torch.arange(depth_limit + 1, device=main.device)
     drafted = torch.cat([node_tokens.index_select(0, path[1:]), correction])
     tokens = torch.where(levels == depth, correction, drafted)
-    stream_logits = model.head(streams[0].index_select(0, best)[0, :depth_limit])  # [D, V]
+    stream_logits = model.head(streams[0].index_select(0, best)[0, : draft_depth or depth_limit])  # [D, V]
     candidates = stream_logits.topk(width, dim=-1).indices
     return path, torch.cat([depth, tokens]), correction, candidates
 

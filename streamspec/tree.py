@@ -105,17 +105,31 @@ def tree_shape(top_k: int | tuple[int, ...] | list[int], depth: int) -> tuple[in
     return shape
 
 
+def rank_paths(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The nodes of a shape's full tree as rank paths from the root, breadth first (node i is
+    ``paths[i]``; the root is ``()``)."""
+    paths: list[tuple[int, ...]] = [()]
+    for d in range(1, len(shape) + 1):
+        paths.extend(itertools.product(*(range(k) for k in shape[:d])))
+    return paths
+
+
+def tree_lists(shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
+    """Parent, depth and rank of each node of a shape's full tree, as Python lists."""
+    paths = rank_paths(shape)
+    number = {path: i for i, path in enumerate(paths)}
+    return ([number[p[:-1]] if p else -1 for p in paths], [len(p) for p in paths], [p[-1] if p else 0 for p in paths])
+
+
 def build_tree(top_k: int | tuple[int, ...], depth: int) -> DraftTree:
     """The full tree of a shape: every rank path over the candidates of each depth (see
     `tree_shape`; an int k is k candidates at each of `depth` depths)."""
     if depth < 0:
         raise ValueError(f"tree depth must be >= 0, got {depth}")
     shape = tree_shape(top_k, depth)
-    paths: list[tuple[int, ...]] = [()]
-    for d in range(1, len(shape) + 1):
-        paths.extend(itertools.product(*(range(k) for k in shape[:d])))
+    paths = rank_paths(shape)
     number = {path: i for i, path in enumerate(paths)}
-    parent = torch.tensor([number[p[:-1]] if p else -1 for p in paths])
+    parent, depths, rank = tree_lists(shape)
     n = len(paths)
     ancestors = torch.zeros(n, n, dtype=torch.bool)
     for i, path in enumerate(paths):
@@ -124,9 +138,9 @@ def build_tree(top_k: int | tuple[int, ...], depth: int) -> DraftTree:
     return DraftTree(
         top_k=shape,
         depth_limit=len(shape),
-        parent=parent,
-        depth=torch.tensor([len(p) for p in paths]),
-        rank=torch.tensor([p[-1] if p else 0 for p in paths]),
+        parent=torch.tensor(parent),
+        depth=torch.tensor(depths),
+        rank=torch.tensor(rank),
         ancestors=ancestors,
     )
 

@@ -15,6 +15,7 @@ from streamspec import StreamConfig, add_streams
 from streamspec.cache import RowCache
 from streamspec.decoding import generate
 from streamspec.layout import row_allowed
+from streamspec.lookup import PromptLookup
 from streamspec.session import DecodingSession
 from streamspec.tree import accepted_nodes, build_tree, deepest_path
 
@@ -117,6 +118,15 @@ def test_one_read_per_pass_for_a_batch(model, count_reads, temperature):
     with count_reads:
         out = generate(model, ids, 16, attention_mask=mask, temperature=temperature, seed=0)
     _bound_holds(count_reads, out.forward_passes, per_call=1)  # +1: the mask's check for an empty row
+
+
+def test_lookup_branches_keep_one_read_per_pass(model, count_reads):
+    """The pass's read carries the next stream candidates too (the host merges the branches into
+    them); per call, the prompt and the first candidates are read once."""
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    with count_reads:
+        out = generate(model, ids, 20, tree_top_k=(2, 1, 1), lookup=PromptLookup(4, 2))
+    _bound_holds(count_reads, out.forward_passes, per_call=2)
 
 
 def test_one_read_per_pass_in_a_session(model, count_reads):
