@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from streamspec.cli import add_device_args, tree_arg
+from streamspec.cli import add_device_args, lookup_arg, tree_arg
 from streamspec.decoding import generate
 from streamspec.kernels import cpu_kernels_available, pack_linear_layers
 from streamspec.loading import load_for_inference
@@ -39,6 +39,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="also time compile=True")
+    parser.add_argument("--verify", nargs="+", default=["auto"], choices=["auto", "device", "host"],
+                        help="one row per tree and per verify setting (generate's verify=)")
+    parser.add_argument("--lookup", type=lookup_arg, default=None, metavar="L,M[,N]",
+                        help="also time each tree with these prompt-lookup branches")
     add_device_args(parser)
     args = parser.parse_args()
     if args.limit < 1 or args.repeats < 1 or args.max_new_tokens < 1 or args.batch < 0:
@@ -57,7 +61,14 @@ def main() -> None:
     eos = tokenizer.eos_token_id
     can_compile = "compile" in inspect.signature(generate).parameters
     rows: list[tuple[str, dict]] = [("one token per pass", {"speculative": False})]
-    rows += [(f"tree {t}", {"tree_top_k": t}) for t in args.trees]
+    can_verify = "verify" in inspect.signature(generate).parameters
+    for verify in args.verify if can_verify else ["auto"]:
+        extra = {"verify": verify} if verify != "auto" else {}
+        suffix = f", verify={verify}" if verify != "auto" else ""
+        rows += [(f"tree {t}{suffix}", {"tree_top_k": t, **extra}) for t in args.trees]
+        if args.lookup is not None:
+            rows += [(f"tree {t} + lookup {args.lookup.tokens},{args.lookup.matches}{suffix}",
+                      {"tree_top_k": t, "lookup": args.lookup, **extra}) for t in args.trees]
     if args.compile and can_compile:
         rows += [(f"tree {t}, compile", {"tree_top_k": t, "compile": True}) for t in args.trees]
     reference: dict[int, list[int]] = {}

@@ -22,9 +22,14 @@ from .layout import causal, last_real_positions, main_allowed, position_ids_from
 
 
 @torch.no_grad()
-def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, stop, output_cls):
+def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, stop, output_cls, fuse_head: bool = True):
     """See `streamspec.decoding.generate`; returns an `output_cls` whose tokens are [B, n]
-    (rows shorter than n padded with their last token's EOS, or 0) and `lengths` per row."""
+    (rows shorter than n padded with their last token's EOS, or 0) and `lengths` per row.
+
+    With `fuse_head`, a pass makes one LM-head call over every row's chain and stream rows (the
+    fewest calls: what suits an accelerator); without, two calls, the second over each row's
+    accepted node's stream rows only (the fewest rows: what suits a CPU, where every call reads
+    the whole LM-head weight from memory)."""
     batch, length = input_ids.shape
     device = input_ids.device
     g = model.stream_config.num_streams
@@ -70,15 +75,21 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
         slots = steps.expand(batch, n)
         lower = model.run_lower(chain, positions, ok, cache)
         main, streams = model.run_upper(lower, positions, ok, slots, torch.ones_like(slots, dtype=torch.bool), cache)
-        # Every row's choice at every node in one LM-head call (a draw per node when sampling:
-        # only those on the accepted path are used), then the stream rows of each row's deepest
-        # accepted node in a second.
-        choice = sampler(model.head(main), positions + 1, rows[:, None])  # [B, 1+γ]
+        # Every row's choice at every node (a draw per node when sampling: only those on the
+        # accepted path are used), and the stream rows of each row's deepest accepted node.
+        if fuse_head:
+            logits = model.head(torch.cat([main, streams.flatten(1, 2)], dim=1))  # [B, n + n·γ, V]
+            choice = sampler(logits[:, :n], positions + 1, rows[:, None])  # [B, 1+γ]
+        else:
+            choice = sampler(model.head(main), positions + 1, rows[:, None])
         depth = (chain[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B] accepted drafts
         roots = choice.gather(1, depth[:, None])[:, 0]
         new = torch.where(steps[:n - 1] == depth[:, None], roots[:, None], chain[:, 1:])  # [B, γ]: drafts, then the correction
         new = torch.cat([new, roots[:, None]], dim=1)
-        drafts = model.head(streams[rows, depth]).argmax(-1)
+        if fuse_head:
+            drafts = logits[:, n:].unflatten(1, (n, g)).argmax(-1)[rows, depth]  # [B, γ]: the deepest node's streams
+        else:
+            drafts = model.head(streams[rows, depth]).argmax(-1)
         stored = (depth + 1) * live
         next_position = next_position + stored
         summary = read_to_host(torch.cat([depth[:, None], new], dim=1))

@@ -12,7 +12,10 @@ Methods:
 - ``streamed_ar``: the streamed model, one token per pass (speculative=False);
 - ``chain``, ``tree``, ``tree_pruned``: speculative streaming with tree_top_k 1, the given tree (or
   with ``"auto"`` the fastest shape on validation prompts), and that tree with the pruning
-  threshold chosen on validation prompts.
+  threshold chosen on validation prompts;
+- ``tree_lookup``: that tree with prompt-lookup branches merged in (`streamspec.lookup`), the
+  branch length, number of matches and node budget given or (``"auto"``) the fastest of
+  `LOOKUP_CANDIDATES` on validation prompts.
 
 Each method reports tokens/s, walltime speedup over the baseline, CRR (generated tokens ÷ forward
 passes), mean tokens per pass, acceptance by depth, whether its outputs equal the streamed
@@ -35,6 +38,7 @@ from tqdm.auto import tqdm
 from .data.build import prompt_ids
 from .decoding import generate
 from .evaluation import sql_exact_match, sql_is_valid
+from .lookup import PromptLookup
 from .tree import tree_shape
 
 
@@ -236,10 +240,10 @@ def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = N
     paths["markdown"].write_text(markdown_table(summary) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("chain", "tree", "tree_pruned"):
+    for name in ("chain", "tree", "tree_pruned", "tree_lookup"):
         histogram = summary.get(name, {}).get("accepted_per_pass_histogram") or {}
         if histogram:
-            ax.bar([int(k) + {"chain": -0.25, "tree": 0, "tree_pruned": 0.25}[name] for k in histogram],
+            ax.bar([int(k) + {"chain": -0.3, "tree": -0.1, "tree_pruned": 0.1, "tree_lookup": 0.3}[name] for k in histogram],
                    list(histogram.values()), width=0.25, label=name)
     ax.set_xlabel("tokens accepted per pass")
     ax.set_ylabel("passes")
@@ -310,6 +314,27 @@ def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: 
     return shapes[best], table
 
 
+# Lookup settings tried on validation prompts: branch length L, matches M, and a node budget.
+LOOKUP_CANDIDATES = (PromptLookup(4, 1), PromptLookup(8, 1), PromptLookup(8, 2), PromptLookup(12, 2),
+                     PromptLookup(16, 3, budget=32))
+DEFAULT_LOOKUP = PromptLookup(8, 2)
+
+
+def lookup_name(lookup: PromptLookup) -> str:
+    """``L,M,N`` (and ``/budget``) as the command line writes it."""
+    return f"{lookup.tokens},{lookup.matches},{lookup.ngram}" + (f"/{lookup.budget}" if lookup.budget else "")
+
+
+def choose_lookup(model, tokenizer, rows: list[dict], tree_top_k, candidates, max_new_tokens: int) -> tuple[PromptLookup, dict]:
+    """The lookup setting with the best tokens/s on validation prompts (never the test ones), with
+    the stream tree `tree_top_k`; and each setting's tokens/s and CRR."""
+    settings = {lookup_name(c): c for c in candidates}
+    methods = {name: streaming_method(model, tokenizer.eos_token_id, tree_top_k=tree_top_k, lookup=c)
+               for name, c in settings.items()}
+    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    return settings[best], table
+
+
 def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k, thresholds: list[float],
                      max_new_tokens: int) -> tuple[float, dict]:
     """The pruning threshold with the best tokens/s on validation prompts (never the test ones);
@@ -330,6 +355,7 @@ def run_benchmark(
     tree_top_k: int | tuple[int, ...] | str = 3,
     thresholds: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2),
     sweep_top_k: tuple[int, ...] = (),
+    lookup: PromptLookup | str | None = "auto",
     max_new_tokens: int = 128,
     out_dir: str | None = None,
     cpu_kernels: bool = True,
@@ -346,6 +372,9 @@ def run_benchmark(
         tree_top_k: the ``tree`` method's shape (see `streamspec.decoding.generate`), or ``"auto"``:
             the fastest of `TREE_CANDIDATES` on the validation prompts.
         sweep_top_k: also measure speedup and CRR for these tree_top_k, with and without pruning.
+        lookup: the ``tree_lookup`` row's `PromptLookup`, ``"auto"`` (the fastest of
+            `LOOKUP_CANDIDATES` on validation prompts; `DEFAULT_LOOKUP` with `data`, which has
+            no validation split) or None (no such row).
         cpu_kernels: on a CPU, run every model's fp32 linear layers through packed oneDNN kernels
             (`streamspec.kernels.pack_linear_layers`) and add the ``baseline_default_kernels`` row.
         device / dtype: where and in what precision both models run (`streamspec.loading`;
@@ -361,6 +390,13 @@ def run_benchmark(
         raise ValueError(f"validation_limit must be >= 1 to choose a tree or threshold on validation, got {validation_limit}")
     if auto_tree and data is not None:
         raise ValueError("tree_top_k='auto' chooses on the task's validation split; with data=FILE give a shape")
+    auto_lookup = lookup == "auto"
+    if isinstance(lookup, str) and not auto_lookup:
+        raise ValueError(f"lookup must be a PromptLookup, 'auto' or None, got {lookup!r}")
+    if auto_lookup and data is not None:  # no validation split: the usual setting
+        lookup, auto_lookup = DEFAULT_LOOKUP, False
+    if auto_lookup and validation_limit < 1:
+        raise ValueError(f"validation_limit must be >= 1 to choose the lookup on validation, got {validation_limit}")
     meta = read_checkpoint_meta(checkpoint)
     loaded = load_for_inference(checkpoint, device=device, dtype=dtype, cpu_kernels=False)  # packed below, with the baseline
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -373,13 +409,15 @@ def run_benchmark(
 
     threshold = None
     validation = None
-    if data is None and (auto_tree or thresholds):
+    if data is None and (auto_tree or thresholds or auto_lookup):
         validation = held_out_rows(task, split="validation")[:validation_limit]
     if auto_tree:
         tree_top_k, tree_table = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
     if validation is not None and thresholds:
         threshold, threshold_table = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds),
                                                       max_new_tokens)
+    if auto_lookup:
+        lookup, lookup_table = choose_lookup(model, tokenizer, validation, tree_top_k, LOOKUP_CANDIDATES, max_new_tokens)
     methods = {
         "baseline": hf_method("baseline", base_model, eos),
         **({"baseline_default_kernels": with_default_kernels(hf_method("baseline", base_model, eos), base_model)}
@@ -391,6 +429,8 @@ def run_benchmark(
     }
     if threshold is not None:
         methods["tree_pruned"] = streaming_method(model, eos, tree_top_k=tree_top_k, prune_threshold=threshold)
+    if lookup is not None:
+        methods["tree_lookup"] = streaming_method(model, eos, tree_top_k=tree_top_k, lookup=lookup)
     lossless_on_base = baseline is None and model.stream_config.mode == "lossless"
     save_partial = None
     if out_dir is not None:
@@ -413,6 +453,12 @@ def run_benchmark(
         summary["tree_pruned"]["tree_top_k"] = summary["tree"]["tree_top_k"]
         summary["tree_pruned"]["prune_threshold"] = threshold
         summary["tree_pruned"]["validation"] = threshold_table
+    if lookup is not None:
+        summary["tree_lookup"]["tree_top_k"] = summary["tree"]["tree_top_k"]
+        summary["tree_lookup"]["lookup"] = lookup_name(lookup)
+        summary["tree_lookup"]["lookup_chosen_on_validation"] = auto_lookup
+        if auto_lookup:
+            summary["tree_lookup"]["validation"] = lookup_table
 
     if out_dir is not None:
         save_report(summary, out_dir)  # the main table is safe before the sweep runs

@@ -21,6 +21,23 @@ def tree_or_auto_arg(text: str) -> int | tuple[int, ...] | str:
     return text if text == "auto" else tree_arg(text)
 
 
+def lookup_arg(text: str):
+    """``L,M[,N]`` (branch tokens, matches, n-gram) for --lookup: a `streamspec.lookup.PromptLookup`."""
+    from .lookup import PromptLookup
+
+    try:
+        return PromptLookup.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def lookup_or_auto_arg(text: str):
+    """`lookup_arg`, or ``auto`` (chosen on validation prompts) or ``none`` (no lookup row)."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return lookup_arg(text)
+
+
 def add_device_args(parser: argparse.ArgumentParser, device: bool = True, dtype_help: str | None = None) -> None:
     """--device and --dtype, as `streamspec.loading.load_for_inference` takes them (checked by
     `check_device_args` right after parsing, so a typo fails before any work)."""
@@ -85,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prune-threshold", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
+    gen.add_argument("--lookup", type=lookup_arg, default=None, metavar="L,M[,N]",
+                     help="prompt-lookup branches in the draft tree: up to M continuations of L tokens of the "
+                          "latest n-gram (N, default 3) found earlier in the text (streamspec.lookup)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     gen.add_argument("--default-kernels", action="store_true",
                      help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
@@ -98,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--tree-top-k", type=tree_or_auto_arg, default=3,
                     help="the tree: candidates per stream, or per depth (3,1,1), or auto (the fastest on validation)")
     ev.add_argument("--sweep", type=int, nargs="*", default=[], help="tree_top_k values for the speedup/CRR plot")
+    ev.add_argument("--lookup", type=lookup_or_auto_arg, default="auto", metavar="auto|none|L,M[,N]",
+                    help="the tree_lookup row: the tree with prompt-lookup branches; auto: the fastest setting on "
+                         "validation prompts (give L,M with --data); none: no such row")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--out", default="runs/benchmark", help="folder for JSON, Markdown and PNG plots")
     ev.add_argument("--default-kernels", action="store_true",
@@ -165,7 +188,7 @@ def _run(args) -> int:
         generate_text(
             args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold,
-            seed=args.seed, speculative=not args.no_speculative, stream=args.stream,
+            seed=args.seed, speculative=not args.no_speculative, stream=args.stream, lookup=args.lookup,
             cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
     elif args.command == "eval":
@@ -173,7 +196,8 @@ def _run(args) -> int:
 
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
-            tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), max_new_tokens=args.max_new_tokens,
+            tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), lookup=args.lookup,
+            max_new_tokens=args.max_new_tokens,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
     elif args.command == "serve":

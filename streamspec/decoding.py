@@ -20,7 +20,7 @@ import torch
 from .cache import MainStreamCache, StaticCacheView
 from .layout import causal, main_allowed
 from .model import StreamedModel
-from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost, tree_from_parents
+from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost, children_of, tree_from_parents
 from .tree import DraftTree, accepted_nodes, build_tree, deepest_path, prune_by_transition, tree_shape
 
 
@@ -266,6 +266,7 @@ def generate(
     profile: bool = False,
     compile: bool | str = False,
     lookup: PromptLookup | None = None,
+    verify: str = "auto",
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -305,6 +306,13 @@ def generate(
             each pass, continuations of the text's latest n-gram found earlier in the prompt or
             the generated text join the tree as extra branches, verified in the same pass. Exact
             like the stream tree. One sequence, uncompiled, without pruning.
+        verify: where a pass decides what it accepts. ``"device"``: with tensor operations on the
+            model's device, one LM-head call over every row the pass may need (each node's main
+            row and stream rows) and one read to the host per pass. ``"host"``: a walk down the
+            accepted path, one LM-head call per accepted node over that node's rows and a read at
+            each (the fewest head rows). ``"auto"`` (default): the host walk on a CPU, where a
+            read costs nothing and every head call reads the whole LM-head weight from memory
+            (docs/benchmarks.md), the device step elsewhere. Outputs are the same either way.
     """
     batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
     if tree_top_k is None:
@@ -314,12 +322,14 @@ def generate(
     if backend is not None:
         _check_compile(batched, speculative, prune_threshold)
     _check_lookup(lookup, batched, speculative, prune_threshold, backend)
+    host_walk = walks_on_host(verify, input_ids.device, backend)
     sampler = Sampler(temperature, top_p, top_k, seed, device=input_ids.device)
     if batched:
         from .batching import generate_batch
 
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        return generate_batch(model, input_ids, mask, max_new_tokens, sampler, _stop_set(eos_token_id), GenerateOutput)
+        return generate_batch(model, input_ids, mask, max_new_tokens, sampler, _stop_set(eos_token_id), GenerateOutput,
+                              fuse_head=not host_walk)
     if attention_mask is not None and not attention_mask.bool().all():
         input_ids = input_ids[:, attention_mask[0].bool()]  # one sequence: drop its padding
     if not speculative:
@@ -332,8 +342,20 @@ def generate(
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
                           _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
-                          lookup=lookup)
+                          lookup=lookup, host_walk=host_walk)
     return out
+
+
+VERIFY_CHOICES = ("auto", "device", "host")
+
+
+def walks_on_host(verify: str, device: torch.device, compile_backend: str | None = None) -> bool:
+    """Whether a pass verifies its draft with the host walk (see `generate`'s ``verify``)."""
+    if verify not in VERIFY_CHOICES:
+        raise ValueError(f"verify must be one of {list(VERIFY_CHOICES)}, got {verify!r}")
+    if verify == "host" and compile_backend is not None:
+        raise ValueError("compile=True compiles the device step: verify must be 'device' or 'auto'")
+    return compile_backend is None and (verify == "host" or (verify == "auto" and torch.device(device).type == "cpu"))
 
 
 def _check_lookup(lookup, batched: bool, speculative: bool, prune_threshold, backend) -> None:
@@ -362,7 +384,7 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
               sampler: Sampler, shape: tuple[int, ...], prune_threshold: float | None, stop: set[int],
               on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock",
               compile: bool | str = False, lookup: PromptLookup | None = None,
-              history: list[int] | None = None) -> tuple[GenerateOutput, int, list[int]]:
+              history: list[int] | None = None, host_walk: bool = False) -> tuple[GenerateOutput, int, list[int]]:
     """The speculative-streaming loop of one sequence, from a cache that already holds `past`
     entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache).
     Arguments are checked by the caller. Returns the output, how many entries the cache then
@@ -379,6 +401,8 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     With `compile` (True or a backend name; see `generate`), every pass after the prefill is one
     call of the compiled `_tree_pass` over the cache's whole buffers; `prune_threshold` must then
     be None.
+
+    With `host_walk`, a pass verifies with `_walk` instead (see `generate`'s ``verify``).
 
     With `lookup`, each pass's tree is the stream tree with the lookup branches merged in
     (`streamspec.lookup`), built on the host from the tokens it has read: the pass's one read
@@ -437,6 +461,8 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
         return _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler,
                                    tree, width, stop, on_tokens, clock, backend, out, new_ids)
     step_tree = tree
+    full_children = _tree(shape).children() if host_walk else None
+    children = full_children
     while len(generated) < max_new_tokens and not ended:
         start = clock()
         head_seconds = 0.0
@@ -446,6 +472,7 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
             parents, host_tokens = stream_tree.with_branches(generated[-1], host_candidates,
                                                              text.continuations(lookup), lookup.budget)
             step_tree = tree if len(parents) == tree.size else tree_from_parents(parents, depth_limit, shape).to(device)
+            children = full_children if step_tree is tree or not host_walk else children_of(parents)
             tokens = torch.tensor(host_tokens, dtype=new_ids.dtype, device=device)
             everything, every_slot_valid = all_nodes[: step_tree.size], all_valid[:, : step_tree.size]
             tree_ok = step_tree.ancestors[None]
@@ -462,21 +489,34 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
                 sub = tree.subset(kept)
                 sub_ok = sub.ancestors[None]
                 lower, positions = lower[:, kept], positions[:, kept]
+                if host_walk:
+                    children = sub.children()
+            elif host_walk:
+                children = full_children
         n = sub.size
         slots = everything[None, :n]
         main, streams = model.run_upper(
             lower, positions, main_allowed(sub_ok, ones[:, : past + n]), slots, every_slot_valid[:, :n], cache
         )
         forward_done = clock()
-        path, accepted, root, candidates = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler, width,
-                                                   draft_depth=depth_limit)
-        if lookup is None:
-            summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
-        else:  # ... and the next candidates, to merge the next branches into
-            summary = read_to_host(torch.cat([accepted, candidates.flatten()]))
-            flat, summary = summary[len(accepted):], summary[: len(accepted)]
-            host_candidates = [flat[d * width : (d + 1) * width] for d in range(depth_limit)]
-        new = summary[1 : summary[0] + 2]
+        if host_walk:
+            node_tokens = read_to_host(tokens[kept])
+            walked, root, candidates = _walk(model, main, streams, children, node_tokens, positions[0] + 1, sampler, width,
+                                             depth_limit)
+            new = [node_tokens[i] for i in walked[1:]] + read_to_host(root)
+            path = torch.tensor(walked, device=device)
+            if lookup is not None:
+                host_candidates = read_to_host(candidates)
+        else:
+            path, accepted, root, candidates = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler,
+                                                       width, draft_depth=depth_limit)
+            if lookup is None:
+                summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
+            else:  # ... and the next candidates, to merge the next branches into
+                summary = read_to_host(torch.cat([accepted, candidates.flatten()]))
+                flat, summary = summary[len(accepted):], summary[: len(accepted)]
+                host_candidates = [flat[d * width : (d + 1) * width] for d in range(depth_limit)]
+            new = summary[1 : summary[0] + 2]
         head_done = clock()
         cache.keep(past, kept[path], lower_layers, length=len(new))
         cache.keep(past, path, upper_layers, length=len(new))
@@ -541,27 +581,50 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify one sequence's draft tree and draft the next, on the device.
 
-    The main stream chooses a token at every node in one LM-head call (argmax, or one draw per
+    The LM head runs once, over every node's main row and stream rows. The main stream chooses a
+    token at every node (argmax, or one draw per
     node keyed by the sequence index of the token it chooses, `next_index` [N]: draws off the
     accepted path are never used and the kept ones are those one-token-per-pass sampling
     makes); a node is accepted when its whole path
     agrees (`accepted_nodes`); the token chosen at the deepest accepted node is the correction,
-    and the next draft is the top-`width` of that node's streams (a second LM-head call, on its
-    stream rows only). Returns the path [D+1] (node indices, padded past the deepest node),
+    and the next draft is the top-`width` of that node's stream logits. Returns the path [D+1] (node indices, padded past the deepest node),
     ``summary`` [D+2]: that node's depth, then the path's tokens after the root and the
     correction (padded), the new root [1] and the next candidates [draft_depth, width] (the
     stream tree's depth; a tree with lookup branches may be deeper)."""
     depth_limit = tree.depth_limit
-    choice = sampler(model.head(main[0]), next_index, key=key)  # [N]: node i's choice is the token at next_index[i]
+    n, draft = main.shape[1], draft_depth or depth_limit
+    # One LM-head call over every row the pass may need: each node's main row, then its stream rows.
+    logits = model.head(torch.cat([main[0], streams[0, :, :draft].reshape(n * draft, -1)]))
+    choice = sampler(logits[:n], next_index, key=key)  # [N]: node i's choice is the token at next_index[i]
     best, path = deepest_path(tree, accepted_nodes(tree, node_tokens, choice))
     depth = tree.depth.index_select(0, best)  # [1]
     correction = choice.index_select(0, best)  # [1]
     levels = torch.arange(depth_limit + 1, device=main.device)
     drafted = torch.cat([node_tokens.index_select(0, path[1:]), correction])
     tokens = torch.where(levels == depth, correction, drafted)
-    stream_logits = model.head(streams[0].index_select(0, best)[0, : draft_depth or depth_limit])  # [D, V]
+    stream_logits = logits[n:].view(n, draft, -1).index_select(0, best)[0]  # [D, V]: the deepest node's streams
     candidates = stream_logits.topk(width, dim=-1).indices
     return path, torch.cat([depth, tokens]), correction, candidates
+
+
+def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, children: list[list[int]],
+          node_tokens: list[int], next_index: torch.Tensor, sampler: Sampler, width: int,
+          depth: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Verify one sequence's draft tree from the root down, on the host: at each node the LM head
+    runs on that node's main row and its first `depth` stream rows (one call), the main stream
+    chooses a token there (keyed by `next_index`, as `_verify`); if a child holds it the walk
+    moves there, else it is the correction. Returns the path (node indices), the correction [1]
+    and the top-`width` candidates [depth, width] of the last node's streams (the next draft)."""
+    node, path = 0, [0]
+    while True:
+        logits = model.head(torch.cat([main[0, node : node + 1], streams[0, node, :depth]], dim=0))  # [1 + depth, V]
+        token = sampler(logits[:1], next_index[node : node + 1])
+        chosen = int(token)
+        child = next((c for c in children[node] if node_tokens[c] == chosen), None)
+        if child is None:
+            return path, token, logits[1:].topk(width, dim=-1).indices
+        node = child
+        path.append(node)
 
 
 def static_main_allowed(ancestors: torch.Tensor, past: torch.Tensor, capacity: int) -> torch.Tensor:

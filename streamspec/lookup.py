@@ -178,6 +178,15 @@ class StreamTreeOnHost:
         return merge_branches(list(self.parent), self.tokens(root, candidates), branches, budget)
 
 
+def children_of(parent: list[int]) -> list[list[int]]:
+    """Each node's children, from each node's parent (-1 for the root)."""
+    children: list[list[int]] = [[] for _ in parent]
+    for node, up in enumerate(parent):
+        if up >= 0:
+            children[up].append(node)
+    return children
+
+
 def tree_from_parents(parent: list[int], depth_limit: int, top_k: tuple[int, ...]) -> DraftTree:
     """A `DraftTree` (on the CPU) from each node's parent (parents before children)."""
     n = len(parent)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .cache import MainStreamCache
-from .decoding import Sampler, _check_compile, _check_lookup, _Clock, _compile_backend, speculate
+from .decoding import Sampler, _check_compile, _check_lookup, _Clock, _compile_backend, speculate, walks_on_host
 from .lookup import PromptLookup
 from .layout import causal, main_allowed
 from .model import StreamedModel
@@ -74,11 +74,13 @@ class DecodingSession:
             cache's buffers grow.
         lookup: prompt-lookup branches in the draft tree (`streamspec.lookup.PromptLookup`;
             streamed models, uncompiled, without pruning), looked up in the whole sequence.
+        verify: where a pass decides what it accepts (``auto``, ``device``, ``host``; see
+            `streamspec.decoding.generate`).
     """
 
     def __init__(self, model: nn.Module, tree_top_k: int | tuple[int, ...] | None = None,
                  prune_threshold: float | None = None, compile: bool | str = False,
-                 lookup: PromptLookup | None = None) -> None:
+                 lookup: PromptLookup | None = None, verify: str = "auto") -> None:
         self.model = model
         self.streamed = isinstance(model, StreamedModel)
         if not self.streamed and not hasattr(model, "config"):
@@ -97,6 +99,7 @@ class DecodingSession:
         self.lookup = lookup
         self.prune_threshold = prune_threshold
         self.device = next(model.parameters()).device
+        self.host_walk = walks_on_host(verify, self.device, _compile_backend(compile)) if self.streamed else False
         self.ids: list[int] = []
         self.cached = 0
         self._new_cache()
@@ -209,7 +212,8 @@ class DecodingSession:
         if self.streamed:
             out, cached, tokens = speculate(self.model, self.cache, self.cached, new, max_new_tokens, sampler,
                                             self.shape, self.prune_threshold, stops, on_tokens, _Clock(self.device, False),
-                                            compile=self.compile, lookup=self.lookup, history=self.ids[: self.cached])
+                                            compile=self.compile, lookup=self.lookup, history=self.ids[: self.cached],
+                                            host_walk=self.host_walk)
             passes = out.forward_passes
             self.cached = cached
         else:

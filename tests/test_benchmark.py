@@ -9,7 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamspec import StreamConfig, add_streams
-from streamspec.benchmark import TREE_CANDIDATES, choose_tree, markdown_table, run_benchmark
+from streamspec.benchmark import (
+    LOOKUP_CANDIDATES,
+    TREE_CANDIDATES,
+    choose_tree,
+    lookup_name,
+    markdown_table,
+    run_benchmark,
+)
+from streamspec.lookup import PromptLookup
 from streamspec.kernels import cpu_kernels_available
 
 
@@ -22,7 +30,7 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         str(tmp_path / "ckpt"), task="sql", limit=2, validation_limit=1, thresholds=(0.0, 0.05),
         sweep_top_k=(1, 2), max_new_tokens=6, out_dir=str(tmp_path / "report"),
     )
-    methods = {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree", "tree_pruned"}
+    methods = {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree", "tree_pruned", "tree_lookup"}
     if cpu_kernels_available():
         methods.add("baseline_default_kernels")
         # the same baseline with torch's default kernels gives the same tokens (fp32 rounding aside)
@@ -30,7 +38,7 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         assert "identical_to_autoregressive" not in summary["baseline_default_kernels"]
     assert set(summary) == methods
     assert summary["baseline"]["speedup"] == 1.0
-    for name in ("streamed_ar", "chain", "tree", "tree_pruned"):
+    for name in ("streamed_ar", "chain", "tree", "tree_pruned", "tree_lookup"):
         assert summary[name]["identical_to_autoregressive"], name
         assert summary[name]["crr"] >= 1.0
         assert {"exact_match", "valid"} <= set(summary[name])
@@ -40,6 +48,10 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     assert "identical_to_autoregressive" not in summary["baseline"]
     assert summary["tree_pruned"]["prune_threshold"] in (0.0, 0.05)
     assert set(summary["tree_pruned"]["validation"]) == {"0.0", "0.05"}
+    lookup = summary["tree_lookup"]  # chosen on validation: every candidate tried, the fastest kept
+    assert lookup["lookup_chosen_on_validation"] and set(lookup["validation"]) == {lookup_name(c) for c in LOOKUP_CANDIDATES}
+    assert lookup["validation"][lookup["lookup"]]["tokens_per_second"] == max(
+        e["tokens_per_second"] for e in lookup["validation"].values())
     report = json.loads((tmp_path / "report" / "benchmark.json").read_text())
     assert len(report["sweep"]) == 4
     for name in ("benchmark.md", "tokens_per_pass.png", "speedup_vs_tree_top_k.png"):
@@ -47,7 +59,7 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     assert markdown_table(summary).count("\n") == len(summary) + 1
     assert summary["tree"]["tree_top_k"] == 3 and not summary["tree"]["tree_chosen_on_validation"]
     plain = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=1, validation_limit=1, thresholds=(), max_new_tokens=4,
-                          cpu_kernels=False, tree_top_k="auto")
+                          cpu_kernels=False, tree_top_k="auto", lookup=None)
     assert set(plain) == {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree"}
     assert plain["tree"]["tree_chosen_on_validation"]
     tried = plain["tree"]["validation"]  # every candidate's validation figures, the chosen one the fastest
@@ -64,6 +76,11 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
             run_benchmark(str(tmp_path / "ckpt"), data=str(data), limit=1, tree_top_k=bad)
     with pytest.raises(ValueError, match="validation_limit"):
         run_benchmark(str(tmp_path / "ckpt"), limit=1, validation_limit=0, tree_top_k="auto")
+    with pytest.raises(ValueError, match="lookup"):
+        run_benchmark(str(tmp_path / "ckpt"), limit=1, lookup="sometimes")
+    given = run_benchmark(str(tmp_path / "ckpt"), data=str(data), limit=1, thresholds=(), max_new_tokens=4,
+                          cpu_kernels=False, lookup=PromptLookup(3, 1))
+    assert given["tree_lookup"]["lookup"] == "3,1,3" and not given["tree_lookup"]["lookup_chosen_on_validation"]
 
 
 def test_lossless_checkpoint_reproduces_its_base_in_the_benchmark(tiny_dir, tmp_path):
@@ -196,7 +213,7 @@ def test_a_late_failure_keeps_what_was_measured(tiny_dir, tmp_path, monkeypatch)
     out = tmp_path / "report"
     with pytest.raises(RuntimeError, match="went away"):
         bench.run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=2, thresholds=(), sweep_top_k=(2,),
-                            tree_top_k=1, max_new_tokens=4, out_dir=str(out))
+                            tree_top_k=1, lookup=None, max_new_tokens=4, out_dir=str(out))
     partial = json.loads((out / "partial.json").read_text())
     assert partial["prompts_done"] == partial["prompts"] == 2
     assert {"baseline", "chain", "tree"} <= set(partial["methods"])

@@ -57,3 +57,29 @@ def test_sql_evaluation_decodes_with_the_checkpoints_own_tokenizer(tiny_dir, tmp
     for kind in ("streamed", "speculative"):
         _, used = greedy_generator(kind, str(tmp_path / "ckpt"))
         assert "<only-in-this-base>" in used.get_vocab(), kind
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--checkpoint", "c", "--prompt", "hi", "--lookup", "4,x"],
+    ["generate", "--checkpoint", "c", "--prompt", "hi", "--lookup", "0,2"],
+    ["eval", "--checkpoint", "c", "--lookup", "sometimes"],
+])
+def test_bad_lookup_flags_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "--lookup" in capsys.readouterr().err
+
+
+def test_a_lookup_flag_reaches_generate(tiny_dir, tmp_path, capsys):
+    """`streamspec generate --lookup L,M` decodes with lookup branches: the text equals the one
+    without them (greedy decoding is exact either way)."""
+    from streamspec import StreamConfig, add_streams
+    from transformers import AutoModelForCausalLM
+
+    add_streams(AutoModelForCausalLM.from_pretrained(tiny_dir), StreamConfig(stream_layers=2)).save_pretrained(tmp_path / "c")
+    texts = []
+    for extra in ([], ["--lookup", "4,2"]):
+        assert main(["generate", "--checkpoint", str(tmp_path / "c"), "--prompt", "SELECT name FROM singer",
+                     "--max-new-tokens", "12", "--device", "cpu", *extra]) == 0
+        texts.append(capsys.readouterr().out.rsplit("\n[", 1)[0])
+    assert texts[0] == texts[1] and texts[0]

@@ -93,7 +93,7 @@ def _bound_holds(mode: HostReads, passes: int, per_pass: int = 1, per_call: int 
 def test_one_read_per_pass_for_one_sequence(model, count_reads, temperature, tree):
     ids = random_ids(1, 9, seed=1)
     with count_reads:
-        out = generate(model, ids, 20, tree_top_k=tree, temperature=temperature, seed=0)
+        out = generate(model, ids, 20, tree_top_k=tree, temperature=temperature, seed=0, verify="device")
     _bound_holds(count_reads, out.forward_passes)
 
 
@@ -105,7 +105,7 @@ def test_one_read_per_pass_one_token_per_pass(model, count_reads):
 
 def test_pruning_reads_the_kept_count_once_more(model, count_reads):
     with count_reads:
-        out = generate(model, random_ids(1, 9, seed=3), 20, tree_top_k=3, prune_threshold=0.05)
+        out = generate(model, random_ids(1, 9, seed=3), 20, tree_top_k=3, prune_threshold=0.05, verify="device")
     _bound_holds(count_reads, out.forward_passes, per_pass=2)
 
 
@@ -116,7 +116,7 @@ def test_one_read_per_pass_for_a_batch(model, count_reads, temperature):
     mask[0, :3] = 0  # a left-padded row
     mask[2, -2:] = 0  # a right-padded row
     with count_reads:
-        out = generate(model, ids, 16, attention_mask=mask, temperature=temperature, seed=0)
+        out = generate(model, ids, 16, attention_mask=mask, temperature=temperature, seed=0, verify="device")
     _bound_holds(count_reads, out.forward_passes, per_call=1)  # +1: the mask's check for an empty row
 
 
@@ -125,16 +125,30 @@ def test_lookup_branches_keep_one_read_per_pass(model, count_reads):
     them); per call, the prompt and the first candidates are read once."""
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     with count_reads:
-        out = generate(model, ids, 20, tree_top_k=(2, 1, 1), lookup=PromptLookup(4, 2))
+        out = generate(model, ids, 20, tree_top_k=(2, 1, 1), lookup=PromptLookup(4, 2), verify="device")
     _bound_holds(count_reads, out.forward_passes, per_call=2)
 
 
 def test_one_read_per_pass_in_a_session(model, count_reads):
-    session = DecodingSession(model, tree_top_k=(2, 1, 1))
+    session = DecodingSession(model, tree_top_k=(2, 1, 1), verify="device")
     session.extend(random_ids(1, 9, seed=5)[0].tolist())
     with count_reads:
         out = session.generate(20)
     _bound_holds(count_reads, out.forward_passes)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(temperature=0.8, top_p=0.9, seed=3), dict(prune_threshold=0.05),
+                                    dict(lookup=PromptLookup(4, 2)), dict(tree_top_k=1)])
+def test_device_step_and_host_walk_decode_the_same(model, kwargs):
+    """`verify="device"` and `verify="host"` are two ways to the same tokens (and passes)."""
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    outs = [generate(model, ids, 24, verify=verify, **kwargs) for verify in ("device", "host")]
+    assert torch.equal(outs[0].tokens, outs[1].tokens) and outs[0].accepted_per_pass == outs[1].accepted_per_pass
+    reference = generate(model, ids, 24, speculative=False, **{k: v for k, v in kwargs.items() if k in ("temperature", "top_p", "seed")})
+    assert torch.equal(outs[0].tokens, reference.tokens)
+    batch = torch.cat([ids, ids.flip(1)])
+    fused, split = (generate(model, batch, 12, verify=verify) for verify in ("device", "host"))
+    assert torch.equal(fused.tokens, split.tokens)
 
 
 def test_the_counter_sees_reads(count_reads):
