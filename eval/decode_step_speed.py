@@ -3,7 +3,13 @@ and a batch, with the packed CPU kernels as `streamspec eval` uses them: the fig
 "decode step on the device" before/after table of docs/benchmarks.md.
 
     python eval/decode_step_speed.py --checkpoint runs/smollm2-reason-lossless-adapters/final \
-        --limit 4 --max-new-tokens 64 --trees 1 2,1,1 3 --batch 4 --repeats 2
+        --limit 4 --max-new-tokens 64 --trees 1 2,1,1 3 --batch 4 --repeats 2 \
+        --verify auto device --lookup 8,2 --head-rows 1 4 16 40 160
+
+`--verify` adds a row per tree for each setting of `generate`'s ``verify`` (``auto``: the host
+walk on a CPU; ``device``: the device step), `--lookup L,M` a row per tree with prompt-lookup
+branches, `--tree-budget N...` a row per budget of trees grown by confidence, `--head-rows` the time of one
+LM-head call over that many rows (median of 7).
 
 Prompts are GSM8K validation problems (rows 1237+) in the checkpoint's chat template; every
 result is checked against one-token-per-pass decoding (greedy), so a faster row that decodes
@@ -41,6 +47,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time compile=True")
     parser.add_argument("--verify", nargs="+", default=["auto"], choices=["auto", "device", "host"],
                         help="one row per tree and per verify setting (generate's verify=)")
+    parser.add_argument("--tree-budget", type=int, nargs="*", default=[],
+                        help="also time trees grown by confidence (3 candidates per stream) up to each budget")
+    parser.add_argument("--head-rows", type=int, nargs="*", default=[],
+                        help="also time one LM-head call (final norm, head, argmax) over this many rows each")
     parser.add_argument("--lookup", type=lookup_arg, default=None, metavar="L,M[,N]",
                         help="also time each tree with these prompt-lookup branches")
     add_device_args(parser)
@@ -69,8 +79,20 @@ def main() -> None:
         if args.lookup is not None:
             rows += [(f"tree {t} + lookup {args.lookup.tokens},{args.lookup.matches}{suffix}",
                       {"tree_top_k": t, "lookup": args.lookup, **extra}) for t in args.trees]
+        rows += [(f"confidence tree, budget {b}{suffix}", {"tree_top_k": 3, "tree_budget": b, **extra})
+                 for b in args.tree_budget]
     if args.compile and can_compile:
         rows += [(f"tree {t}, compile", {"tree_top_k": t, "compile": True}) for t in args.trees]
+    head_ms = {}
+    with torch.no_grad():
+        for rows_count in args.head_rows:
+            hidden = torch.randn(rows_count, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
+            times = []
+            for _ in range(7):
+                start = time.perf_counter()
+                model.head(hidden).argmax(-1).tolist()
+                times.append(time.perf_counter() - start)
+            head_ms[rows_count] = round(sorted(times)[3] * 1000, 2)  # median of 7
     reference: dict[int, list[int]] = {}
     results: dict[str, dict] = {}
     for name, kwargs in rows:
@@ -114,7 +136,8 @@ def main() -> None:
             entry["tokens_per_second"].append(round(tokens / seconds, 2))
             entry["identical"] &= same
     print(json.dumps({"device": str(device), "dtype": str(next(model.parameters()).dtype), "threads": args.threads,
-                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": results}, indent=1))
+                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                      "lm_head_ms_by_rows": head_ms, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ for several draft trees, on GSM8K validation problems (rows 1237+, which no eval
         --offset 1240 --limit 3 --max-new-tokens 96 --trees 1 2,1,1 3 --repeats 2
 
 Each problem is rendered as SpecReason's drafter sees it (the solving prompt in the chat template)
-and decoded greedily by `streamspec.session.DecodingSession`, one thread.
+and decoded greedily by `streamspec.decoding.session.DecodingSession`, one thread.
 """
 
 import argparse
@@ -18,7 +18,7 @@ from streamspec.cli import tree_arg
 from streamspec.loading import load_for_inference
 from streamspec.reason.backends import chat_frame
 from streamspec.reason.tasks import load_problems
-from streamspec.session import DecodingSession
+from streamspec.decoding.session import DecodingSession
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
     python eval/sql_exact_match.py --kind streamed --path runs/smollm2-sql/final [--limit 100]
     python eval/sql_exact_match.py --kind speculative --path runs/smollm2-sql/final   # same outputs, fewer passes
 
-Exact match compares normalised SQL text (case, spacing, quotes; see streamspec.evaluation);
+Exact match compares normalised SQL text (case, spacing, quotes; see streamspec.evaluation.metrics);
 valid means the query runs against the database's schema in an in-memory SQLite.
 """
 
@@ -14,7 +14,7 @@ import json
 import time
 
 from streamspec.data.spider import load_spider
-from streamspec.evaluation import evaluate_sql, greedy_generator
+from streamspec.evaluation.metrics import evaluate_sql, greedy_generator
 
 
 def main() -> None:

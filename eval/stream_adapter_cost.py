@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from streamspec.benchmark import held_out_rows
+from streamspec.evaluation.benchmark import held_out_rows
 from streamspec.cli import add_device_args
 from streamspec.data.build import prompt_ids
 from streamspec.decoding import generate

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from streamspec.profiling import VARIANTS, train_step_memory
+from streamspec.training.profiling import VARIANTS, train_step_memory
 
 
 def main() -> None:

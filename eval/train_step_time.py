@@ -7,7 +7,7 @@ LoRA, on real Spider batches of SmolLM2-135M (measured alternately in one proces
 import argparse
 import json
 
-from streamspec.profiling import train_step_time_ratio
+from streamspec.training.profiling import train_step_time_ratio
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """streamspec: Speculative Streaming for Hugging Face causal language models."""
 
 from .assets import DEFAULT_MODEL_ID, load_default_model, load_default_tokenizer
-from .checkpoint import CheckpointError, load_streamed
+from .patch.checkpoint import CheckpointError, load_streamed
 from .config import StreamConfig
-from .decoding import generate
-from .model import StreamedModel, StreamedOutput, add_streams
+from .decoding.generate import generate
+from .patch.model import StreamedModel, StreamedOutput, add_streams
 
 __version__ = "0.1.0"
 

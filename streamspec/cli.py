@@ -22,8 +22,8 @@ def tree_or_auto_arg(text: str) -> int | tuple[int, ...] | str:
 
 
 def lookup_arg(text: str):
-    """``L,M[,N]`` (branch tokens, matches, n-gram) for --lookup: a `streamspec.lookup.PromptLookup`."""
-    from .lookup import PromptLookup
+    """``L,M[,N]`` (branch tokens, matches, n-gram) for --lookup: a `streamspec.decoding.lookup.PromptLookup`."""
+    from .decoding.lookup import PromptLookup
 
     try:
         return PromptLookup.parse(text)
@@ -36,6 +36,19 @@ def lookup_or_auto_arg(text: str):
     if text in ("auto", "none"):
         return None if text == "none" else text
     return lookup_arg(text)
+
+
+def budget_or_auto_arg(text: str):
+    """``auto``, ``none`` or a node budget >= 1 for --tree-budget."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, none or an int >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, none or an int >= 1; got {text!r}")
+    return value
 
 
 def add_device_args(parser: argparse.ArgumentParser, device: bool = True, dtype_help: str | None = None) -> None:
@@ -102,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prune-threshold", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
+    gen.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                     help="grow each pass's tree by confidence up to N nodes from --tree-top-k candidates per stream")
     gen.add_argument("--lookup", type=lookup_arg, default=None, metavar="L,M[,N]",
                      help="prompt-lookup branches in the draft tree: up to M continuations of L tokens of the "
-                          "latest n-gram (N, default 3) found earlier in the text (streamspec.lookup)")
+                          "latest n-gram (N, default 3) found earlier in the text (streamspec.decoding.lookup)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     gen.add_argument("--default-kernels", action="store_true",
                      help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
@@ -118,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--tree-top-k", type=tree_or_auto_arg, default=3,
                     help="the tree: candidates per stream, or per depth (3,1,1), or auto (the fastest on validation)")
     ev.add_argument("--sweep", type=int, nargs="*", default=[], help="tree_top_k values for the speedup/CRR plot")
+    ev.add_argument("--tree-budget", type=budget_or_auto_arg, default="auto", metavar="auto|none|N",
+                    help="the tree_confidence row: trees grown by confidence up to N nodes; auto: the fastest budget "
+                         "on validation prompts; none: no such row")
     ev.add_argument("--lookup", type=lookup_or_auto_arg, default="auto", metavar="auto|none|L,M[,N]",
                     help="the tree_lookup row: the tree with prompt-lookup branches; auto: the fastest setting on "
                          "validation prompts (give L,M with --data); none: no such row")
@@ -168,35 +186,36 @@ def _run(args) -> int:
             run_demo(steps=args.steps, limit=args.limit, out_dir=args.out, example_index=args.example,
                      device=args.device, dtype=args.dtype)
     elif args.command == "train":
-        from .recipe import load_recipe
-        from .training import run_training
+        from .training.recipe import load_recipe
+        from .training.trainer import run_training
 
         summary = run_training(load_recipe(args.recipe, args.overrides), resume=args.resume)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"trained {summary['steps']} steps in {summary['wall_seconds']} s; exported to {summary.get('export')}")
     elif args.command == "export":
-        from .checkpoint import export_checkpoint
+        from .patch.checkpoint import export_checkpoint
 
         print(export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype))
     elif args.command == "merge":
-        from .checkpoint import merge_adapter
+        from .patch.checkpoint import merge_adapter
 
         print(merge_adapter(args.adapter, args.out, base=args.base, dtype=args.dtype))
     elif args.command == "generate":
-        from .inference import generate_text
+        from .decoding.text import generate_text
 
         generate_text(
             args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold,
             seed=args.seed, speculative=not args.no_speculative, stream=args.stream, lookup=args.lookup,
+            tree_budget=args.tree_budget,
             cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
     elif args.command == "eval":
-        from .benchmark import run_benchmark
+        from .evaluation.benchmark import run_benchmark
 
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
-            tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), lookup=args.lookup,
+            tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), lookup=args.lookup, tree_budget=args.tree_budget,
             max_new_tokens=args.max_new_tokens,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )

@@ -15,8 +15,8 @@ import torch
 
 from .config import StreamConfig
 from .data import load_spider, sql_prompt
-from .layout import position_ids_from_mask
-from .model import add_streams
+from .patch.layout import position_ids_from_mask
+from .patch.model import add_streams
 
 
 def introduce(example_index: int = 0, device: str = "auto", dtype: str = "auto") -> dict:
@@ -90,9 +90,9 @@ def run_demo(
         device / dtype: where and in what precision the introduction and the benchmark run
             (`streamspec.loading`); the fine-tune runs where the Trainer puts it.
     """
-    from .benchmark import run_benchmark
-    from .recipe import load_recipe
-    from .training import run_training
+    from .evaluation.benchmark import DEFAULT_BUDGET, DEFAULT_LOOKUP, run_benchmark
+    from .training.recipe import load_recipe
+    from .training.trainer import run_training
 
     if steps < 1 or limit < 1:
         raise ValueError(f"steps and limit must be >= 1, got steps={steps}, limit={limit}")
@@ -112,9 +112,12 @@ def run_demo(
           f"{summary['seconds_per_step']} s/step)")
     print(f"\n[2/2] benchmark on {limit} held-out Spider questions (batch 1, greedy; baseline: transformers "
           "generate on the base model, since the demo trains no next-token baseline) ...")
+    # The lookup and confidence rows with their usual settings: choosing them on validation too
+    # would add minutes.
     result = run_benchmark(summary["export"], task="sql", limit=limit, validation_limit=max(2, limit // 2),
-                           tree_top_k="auto", max_new_tokens=max_new_tokens, out_dir=str(out / "benchmark"),
-                           device=device, dtype=dtype)
+                           tree_top_k="auto", lookup=DEFAULT_LOOKUP, tree_budget=DEFAULT_BUDGET,
+                           max_new_tokens=max_new_tokens,
+                           out_dir=str(out / "benchmark"), device=device, dtype=dtype)
     print(f"\nA {steps}-step fine-tune barely trains the streams. docs/benchmarks.md has the figures of longer "
           "recipes (recipes/smollm2-135m/sql_3ep.yaml, about an hour here; sql_lossless_adapters.yaml, streams that "
           "keep a next-token fine-tune's exact tokens, 34 min) and what limits them on a CPU.")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .devices import base_dtype, dtype_or_base, resolve_device, resolve_dtype  # noqa: F401  (checkpoint's, for now)
+from .devices import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,7 @@ def load_for_inference(
         raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path}")
 
     if local and is_streamed_checkpoint(path):
-        from .checkpoint import load_streamed, read_checkpoint_meta, recorded_base
-        from .inference import checkpoint_tokenizer
+        from .patch.checkpoint import checkpoint_tokenizer, load_streamed, read_checkpoint_meta, recorded_base
 
         base = None
         if device_map is not None:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from streamspec import load_default_tokenizer
-from streamspec.layout import position_ids_from_mask
+from streamspec.patch.layout import position_ids_from_mask
 
 VOCAB = 101
 HIDDEN = 32
@@ -148,8 +148,29 @@ def tiny_dir(tmp_path_factory):
     return folder
 
 
+# The slow tier (`make test` runs everything; `make test-quick` leaves these out): whole modules
+# that start servers, compile or load the real SmolLM2 throughout, and single tests that train,
+# spawn processes or sample thousands of times. About a quarter of the suite's time each way.
+SLOW_MODULES = {"test_smollm2", "test_compile", "test_serving", "test_reason_server"}
+SLOW_TESTS = {
+    "test_speculative_sampling_matches_the_exact_distribution",
+    "test_deepspeed_two_processes_train_and_resume_smollm2",
+    "test_killed_run_resumes_on_the_same_curve",
+    "test_gguf",
+    "test_real_small_model_joins_loads_and_matches_its_metadata",
+    "test_slurm_template_launches_torchrun_on_every_node_and_resumes_on_requeue",
+    "test_demo_trains_exports_and_benchmarks",
+    "test_export_command_merges_into_a_self_contained_folder",
+}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long-running tests (torch.compile); `make test` runs them, "
-                                       "deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "slow: long-running tests (real SmolLM2 throughout, servers, DeepSpeed "
+                                       "processes, torch.compile); `make test` runs them, `make test-quick` leaves "
+                                       "them out (-m 'not slow')")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

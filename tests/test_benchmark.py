@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamspec import StreamConfig, add_streams
-from streamspec.benchmark import (
+from streamspec.evaluation.benchmark import (
+    BUDGET_CANDIDATES,
     LOOKUP_CANDIDATES,
     TREE_CANDIDATES,
     choose_tree,
@@ -17,7 +18,7 @@ from streamspec.benchmark import (
     markdown_table,
     run_benchmark,
 )
-from streamspec.lookup import PromptLookup
+from streamspec.decoding.lookup import PromptLookup
 from streamspec.kernels import cpu_kernels_available
 
 
@@ -30,7 +31,7 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         str(tmp_path / "ckpt"), task="sql", limit=2, validation_limit=1, thresholds=(0.0, 0.05),
         sweep_top_k=(1, 2), max_new_tokens=6, out_dir=str(tmp_path / "report"),
     )
-    methods = {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree", "tree_pruned", "tree_lookup"}
+    methods = {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree", "tree_pruned", "tree_lookup", "tree_confidence"}
     if cpu_kernels_available():
         methods.add("baseline_default_kernels")
         # the same baseline with torch's default kernels gives the same tokens (fp32 rounding aside)
@@ -38,7 +39,7 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         assert "identical_to_autoregressive" not in summary["baseline_default_kernels"]
     assert set(summary) == methods
     assert summary["baseline"]["speedup"] == 1.0
-    for name in ("streamed_ar", "chain", "tree", "tree_pruned", "tree_lookup"):
+    for name in ("streamed_ar", "chain", "tree", "tree_pruned", "tree_lookup", "tree_confidence"):
         assert summary[name]["identical_to_autoregressive"], name
         assert summary[name]["crr"] >= 1.0
         assert {"exact_match", "valid"} <= set(summary[name])
@@ -52,6 +53,10 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     assert lookup["lookup_chosen_on_validation"] and set(lookup["validation"]) == {lookup_name(c) for c in LOOKUP_CANDIDATES}
     assert lookup["validation"][lookup["lookup"]]["tokens_per_second"] == max(
         e["tokens_per_second"] for e in lookup["validation"].values())
+    confident = summary["tree_confidence"]  # its budget chosen the same way
+    assert confident["budget_chosen_on_validation"] and set(confident["validation"]) == {str(b) for b in BUDGET_CANDIDATES}
+    assert confident["validation"][str(confident["tree_budget"])]["tokens_per_second"] == max(
+        e["tokens_per_second"] for e in confident["validation"].values())
     report = json.loads((tmp_path / "report" / "benchmark.json").read_text())
     assert len(report["sweep"]) == 4
     for name in ("benchmark.md", "tokens_per_pass.png", "speedup_vs_tree_top_k.png"):
@@ -59,7 +64,7 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     assert markdown_table(summary).count("\n") == len(summary) + 1
     assert summary["tree"]["tree_top_k"] == 3 and not summary["tree"]["tree_chosen_on_validation"]
     plain = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=1, validation_limit=1, thresholds=(), max_new_tokens=4,
-                          cpu_kernels=False, tree_top_k="auto", lookup=None)
+                          cpu_kernels=False, tree_top_k="auto", lookup=None, tree_budget=None)
     assert set(plain) == {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree"}
     assert plain["tree"]["tree_chosen_on_validation"]
     tried = plain["tree"]["validation"]  # every candidate's validation figures, the chosen one the fastest
@@ -78,6 +83,8 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
         run_benchmark(str(tmp_path / "ckpt"), limit=1, validation_limit=0, tree_top_k="auto")
     with pytest.raises(ValueError, match="lookup"):
         run_benchmark(str(tmp_path / "ckpt"), limit=1, lookup="sometimes")
+    with pytest.raises(ValueError, match="tree_budget"):
+        run_benchmark(str(tmp_path / "ckpt"), limit=1, tree_budget="wide")
     given = run_benchmark(str(tmp_path / "ckpt"), data=str(data), limit=1, thresholds=(), max_new_tokens=4,
                           cpu_kernels=False, lookup=PromptLookup(3, 1))
     assert given["tree_lookup"]["lookup"] == "3,1,3" and not given["tree_lookup"]["lookup_chosen_on_validation"]
@@ -105,7 +112,7 @@ def test_lossless_checkpoint_reproduces_its_base_in_the_benchmark(tiny_dir, tmp_
 
 def test_choose_tree_keeps_shapes_that_fit_the_streams(tiny_dir, tmp_path):
     from streamspec import load_default_tokenizer
-    from streamspec.benchmark import held_out_rows
+    from streamspec.evaluation.benchmark import held_out_rows
 
     model = add_streams(AutoModelForCausalLM.from_pretrained(tiny_dir), StreamConfig(stream_layers=2, num_streams=2)).eval()
     rows = held_out_rows("sql", split="validation")[:1]
@@ -120,7 +127,7 @@ def test_generate_command_streams_the_same_text(tiny_dir, tmp_path):
     import io
 
     from streamspec.cli import main
-    from streamspec.inference import generate_text
+    from streamspec.decoding.text import generate_text
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
@@ -196,7 +203,7 @@ def test_eval_data_of_a_user_runs_end_to_end(task, tiny_dir, tmp_path, capsys):
 def test_a_late_failure_keeps_what_was_measured(tiny_dir, tmp_path, monkeypatch):
     """Results are saved after every prompt and the main table before the sweep: a sweep that
     fails leaves partial.json and benchmark.json with every method's figures."""
-    import streamspec.benchmark as bench
+    import streamspec.evaluation.benchmark as bench
 
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
     add_streams(base, StreamConfig(stream_layers=2)).save_pretrained(tmp_path / "ckpt")
@@ -213,7 +220,7 @@ def test_a_late_failure_keeps_what_was_measured(tiny_dir, tmp_path, monkeypatch)
     out = tmp_path / "report"
     with pytest.raises(RuntimeError, match="went away"):
         bench.run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=2, thresholds=(), sweep_top_k=(2,),
-                            tree_top_k=1, lookup=None, max_new_tokens=4, out_dir=str(out))
+                            tree_top_k=1, lookup=None, tree_budget=None, max_new_tokens=4, out_dir=str(out))
     partial = json.loads((out / "partial.json").read_text())
     assert partial["prompts_done"] == partial["prompts"] == 2
     assert {"baseline", "chain", "tree"} <= set(partial["methods"])

@@ -8,8 +8,8 @@ import torch
 
 from conftest import make_model, random_ids
 from streamspec import StreamConfig, add_streams
-from streamspec.cache import MainStreamCache
-from streamspec.layout import causal, main_allowed, stream_slots
+from streamspec.decoding.cache import MainStreamCache
+from streamspec.patch.layout import causal, main_allowed, stream_slots
 
 
 def _pieces_forward(model, ids, cut):

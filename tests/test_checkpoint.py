@@ -171,7 +171,7 @@ def test_merge_adapter_gives_the_adapted_model_and_refuses_a_broken_adapter(tmp_
     loadable as a plain base for lossless streams; a missing or incomplete adapter is refused."""
     from peft import get_peft_model
 
-    from streamspec.checkpoint import merge_adapter
+    from streamspec.patch.checkpoint import merge_adapter
 
     base_path = tmp_path / "base"
     make_model("llama", seed=3).save_pretrained(base_path)

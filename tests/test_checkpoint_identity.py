@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import make_model, random_ids
 from streamspec import CheckpointError, StreamConfig, add_streams, load_streamed
-from streamspec.checkpoint import base_fingerprint
+from streamspec.patch.checkpoint import base_fingerprint
 
 
 def _saved_base(tmp_path, name="base", seed=0):

@@ -46,7 +46,7 @@ def test_sql_evaluation_decodes_with_the_checkpoints_own_tokenizer(tiny_dir, tmp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from streamspec import StreamConfig, add_streams
-    from streamspec.evaluation import greedy_generator
+    from streamspec.evaluation.metrics import greedy_generator
 
     shutil.copytree(tiny_dir, tmp_path / "base")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from conftest import make_model, random_ids
 from streamspec import StreamConfig, add_streams
 from streamspec.decoding import Sampler, generate, generate_autoregressive
-from streamspec.session import DecodingSession
+from streamspec.decoding.session import DecodingSession
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 

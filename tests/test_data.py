@@ -19,8 +19,8 @@ from streamspec import load_default_tokenizer
 from streamspec.data.aclsum import ASPECTS, detokenize, load_aclsum
 from streamspec.data.build import PadCollator, format_prompt, load_rows, tokenize_rows
 from streamspec.data.spider import SPLITS, TEST_DATABASES, VALIDATION_DATABASES, load_spider
-from streamspec.recipe import load_recipe
-from streamspec.training import task_rows
+from streamspec.training.recipe import load_recipe
+from streamspec.training.trainer import task_rows
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
 SQL = SMOLLM2 / "sql.yaml"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from streamspec.data.reasoning import FIRST_TRAINING_ROW, load_gsm8k_solutions, solution_steps
-from streamspec.reason.prompts import solve_message
-from streamspec.recipe import load_recipe
-from streamspec.training import task_rows
+from streamspec.data.reasoning import solve_message
+from streamspec.training.recipe import load_recipe
+from streamspec.training.trainer import task_rows
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m" / "reason_lossless_adapters.yaml"
 

@@ -9,7 +9,7 @@ import torch
 from conftest import ARCHS, hf_greedy, make_model, random_ids
 from streamspec import StreamConfig, add_streams
 from streamspec.decoding import generate_autoregressive
-from streamspec.evaluation import extract_sql, normalize_sql, sql_exact_match, sql_is_valid
+from streamspec.evaluation.metrics import extract_sql, normalize_sql, sql_exact_match, sql_is_valid
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -12,12 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import make_model, random_ids
 from streamspec import StreamConfig, add_streams
-from streamspec.cache import RowCache
+from streamspec.decoding.cache import RowCache
 from streamspec.decoding import generate
-from streamspec.layout import row_allowed
-from streamspec.lookup import PromptLookup
-from streamspec.session import DecodingSession
-from streamspec.tree import accepted_nodes, build_tree, deepest_path
+from streamspec.patch.layout import row_allowed
+from streamspec.decoding.lookup import PromptLookup
+from streamspec.decoding.session import DecodingSession
+from streamspec.decoding.tree import accepted_nodes, build_tree, deepest_path
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -126,6 +126,13 @@ def test_lookup_branches_keep_one_read_per_pass(model, count_reads):
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     with count_reads:
         out = generate(model, ids, 20, tree_top_k=(2, 1, 1), lookup=PromptLookup(4, 2), verify="device")
+    _bound_holds(count_reads, out.forward_passes, per_call=2)
+
+
+def test_confidence_trees_keep_one_read_per_pass(model, count_reads):
+    """The pass's read carries the next candidates and their scores (the host grows the tree)."""
+    with count_reads:
+        out = generate(model, random_ids(1, 9, seed=6), 20, tree_top_k=3, tree_budget=6, verify="device")
     _bound_holds(count_reads, out.forward_passes, per_call=2)
 
 

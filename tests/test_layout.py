@@ -1,4 +1,4 @@
-"""Pure tests of streamspec.layout and streamspec.cache (no model involved)."""
+"""Pure tests of streamspec.patch.layout and streamspec.decoding.cache (no model involved)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from streamspec.cache import MainStreamCache
-from streamspec.layout import (
+from streamspec.decoding.cache import MainStreamCache
+from streamspec.patch.layout import (
     carrying_positions,
     causal,
     main_allowed,

@@ -28,10 +28,10 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ARCHS, make_model, random_ids
 from streamspec import DEFAULT_MODEL_ID, StreamConfig, add_streams
-from streamspec.checkpoint import export_checkpoint, merge_adapter
+from streamspec.patch.checkpoint import export_checkpoint, merge_adapter
 from streamspec.cli import main as cli_main
 from streamspec.decoding import generate
-from streamspec.inference import generate_text
+from streamspec.decoding.text import generate_text
 from streamspec.kernels import PackedLinear, cpu_kernels_available
 from streamspec.devices import base_dtype, resolve_device, resolve_dtype
 from streamspec.loading import load_for_inference

@@ -13,7 +13,7 @@ import torch
 from conftest import ARCHS, make_model, random_ids
 from streamspec import StreamConfig, add_streams
 from streamspec.decoding import generate, generate_autoregressive
-from streamspec.lookup import (
+from streamspec.decoding.lookup import (
     NgramIndex,
     PromptLookup,
     StreamTreeOnHost,
@@ -22,8 +22,8 @@ from streamspec.lookup import (
     recent_occurrences,
     tree_from_parents,
 )
-from streamspec.session import DecodingSession
-from streamspec.tree import build_tree
+from streamspec.decoding.session import DecodingSession
+from streamspec.decoding.tree import build_tree
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamspec.loss import weighted_cross_entropy
+from streamspec.patch.loss import weighted_cross_entropy
 
 
 def _naive(head, x, y, w):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from streamspec import StreamConfig, add_streams

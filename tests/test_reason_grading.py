@@ -6,11 +6,11 @@ import time
 
 import pytest
 
+from streamspec.data.reasoning import gsm8k_reference
 from streamspec.reason.grading import (
     answers_match,
     extract_answer,
     extract_boxed,
-    gsm8k_reference,
     normalize_math,
     parse_number,
 )

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from conftest import make_model
 from streamspec import StreamConfig, add_streams, load_default_tokenizer
 from streamspec.data.build import PadCollator
-from streamspec.recipe import Recipe, load_recipe, recipe_from_dict
-from streamspec.training import (
+from streamspec.training.recipe import Recipe, load_recipe, recipe_from_dict
+from streamspec.training.trainer import (
     check_deepspeed_config,
     evaluation_counts,
     summarize_counts,

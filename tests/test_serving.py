@@ -27,7 +27,7 @@ from conftest import hf_greedy
 from streamspec import StreamConfig, add_streams
 from streamspec.data.build import format_prompt
 from streamspec.decoding import generate
-from streamspec.inference import generate_text
+from streamspec.decoding.text import generate_text
 from streamspec.loading import load_for_inference
 from streamspec.serving import create_app
 

@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy, make_model, random_ids
 from streamspec import StreamConfig, add_streams
 from streamspec.decoding import Sampler, generate
-from streamspec.session import DecodingSession
+from streamspec.decoding.session import DecodingSession
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

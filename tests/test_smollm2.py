@@ -8,7 +8,7 @@ from peft import LoraConfig
 
 from streamspec import StreamConfig, add_streams, load_default_model, load_default_tokenizer
 from streamspec.data import load_spider, sql_prompt
-from streamspec.layout import position_ids_from_mask
+from streamspec.patch.layout import position_ids_from_mask
 
 
 @pytest.fixture(scope="module")

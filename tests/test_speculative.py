@@ -9,7 +9,7 @@ import torch
 from conftest import ARCHS, hf_greedy, make_model, random_ids
 from streamspec import StreamConfig, add_streams
 from streamspec.decoding import generate, generate_autoregressive
-from streamspec.tree import build_tree, prune_by_transition
+from streamspec.decoding.tree import build_tree, prune_by_transition
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,7 +11,7 @@ from peft import LoraConfig
 from conftest import ARCHS, LORA_TARGETS, hf_greedy, make_model, random_ids, reference_logits
 from streamspec import CheckpointError, StreamConfig, add_streams, load_streamed
 from streamspec.decoding import generate, generate_autoregressive
-from streamspec.model import linear_targets
+from streamspec.patch.parameters import linear_targets
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import LORA_TARGETS, hf_greedy, make_model, random_ids, reference_logits
 from streamspec import StreamConfig, add_streams, load_streamed
-from streamspec.checkpoint import load_adapter_weights
+from streamspec.patch.checkpoint import load_adapter_weights
 from streamspec.decoding import generate
-from streamspec.stream_modules import StreamAdapter, StreamModule, StreamRows, ValueRotation
+from streamspec.patch.stream_modules import StreamAdapter, StreamModule, StreamRows, ValueRotation
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 

@@ -330,7 +330,7 @@ def test_early_exit_is_logit_lens_at_init(arch, stream_layers):
     ids = random_ids(2, 6, 45)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    from streamspec.layout import position_ids_from_mask
+    from streamspec.patch.layout import position_ids_from_mask
 
     with torch.no_grad():
         hf = base(

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from streamspec import load_streamed
-from streamspec.recipe import load_recipe
-from streamspec.training import run_training
+from streamspec.training.recipe import load_recipe
+from streamspec.training.trainer import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "sql.yaml"
@@ -168,9 +168,9 @@ def test_deepspeed_two_processes_train_and_resume_smollm2(stage, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from streamspec.assets import default_model_path
-    from streamspec.checkpoint import CheckpointError
-    from streamspec.training import build_model
-    from streamspec.zero import check_trainable_checkpoint
+    from streamspec.patch.checkpoint import CheckpointError
+    from streamspec.training.trainer import build_model
+    from streamspec.patch.checkpoint import check_trainable_checkpoint
 
     data = _short_sql_rows(tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -239,7 +239,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_full_fine_tune_checkpoints_carry_the_base_and_reload_strictly(tiny_dir, tmp_path):
-    from streamspec.training import build_model, load_training_checkpoint
+    from streamspec.training.trainer import build_model, load_training_checkpoint
 
     recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "full", **{"training.max_steps": 2, "lora.enabled": "false"}))
     summary = run_training(recipe)
@@ -260,7 +260,7 @@ def test_top_modules_adapt_the_mlp_of_the_stream_layers_only(tiny_dir, tmp_path)
     """lora.top_modules puts LoRA on the MLP projections of the top Ns layers only (attention in
     every layer), for the streamed model and for the next-token baseline alike; the checkpoint
     round-trips through the regex target."""
-    from streamspec.training import build_model
+    from streamspec.training.trainer import build_model
 
     overrides = _overrides(tiny_dir, tmp_path / "run", **{
         "lora.top_modules": "[gate_proj, up_proj, down_proj]", "streams.stream_layers": 2,
@@ -291,7 +291,7 @@ def test_top_modules_adapt_the_mlp_of_the_stream_layers_only(tiny_dir, tmp_path)
 
 
 def test_top_modules_errors():
-    from streamspec.recipe import LoraArgs
+    from streamspec.training.recipe import LoraArgs
 
     with pytest.raises(ValueError, match="already in lora.target_modules"):
         LoraArgs(top_modules=["q_proj"])
@@ -302,7 +302,7 @@ def test_top_modules_errors():
 
 
 def test_stream_learning_rate_gets_its_own_group_and_follows_the_schedule(tiny_dir, tmp_path):
-    from streamspec.training import StreamTrainer, build_model, training_arguments
+    from streamspec.training.trainer import StreamTrainer, build_model, training_arguments
 
     recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "run", **{"training.stream_learning_rate": 0.02}))
     model, _ = build_model(recipe)
@@ -333,7 +333,7 @@ def test_reduced_precision_base_trains_float32_master_weights(tiny_dir, tmp_path
     learning rate). fp16 runs with the Trainer's loss scaling."""
     from transformers import set_seed
 
-    from streamspec.training import build_model
+    from streamspec.training.trainer import build_model
 
     lr, reduced = 1e-6, getattr(torch, dtype)
     recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "run", **{

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 train/finetune.py --recipe recipes/llama-3.1-8b/sql_zero2.yaml
     deepspeed --num_gpus 8 train/finetune.py --recipe recipes/llama-3.1-8b/sql_zero2.yaml
 
-The logic lives in `streamspec.training`; this file only parses the command line.
+The logic lives in `streamspec.training.trainer`; this file only parses the command line.
 """
 
 import sys

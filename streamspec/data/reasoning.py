@@ -8,7 +8,7 @@ Rows 0..499 of that file are reserved for evaluation (the SpecReason runs measur
 training uses only rows 500 and later: the last tenth of those (by index) is the validation split,
 the rest the training split. Never lower `FIRST_TRAINING_ROW` without moving the evaluation.
 
-Each row's prompt is SpecReason's solving message (`streamspec.reason.prompts.solve_message`), and
+Each row's prompt is SpecReason's solving message (`solve_message`, which SpecReason's prompts use too), and
 its completion is the worked solution rewritten the way SpecReason asks a model to write one: the
 calculator annotations ``<<48/2=24>>`` removed, one step per line joined by a blank line (a step is
 the text up to the next blank line), and a last step ``The answer is \\boxed{N}.`` with N from the
@@ -22,8 +22,6 @@ import json
 import re
 from pathlib import Path
 
-from streamspec.reason.grading import gsm8k_reference
-from streamspec.reason.prompts import solve_message
 
 FIRST_TRAINING_ROW = 500
 """GSM8K test rows below this index are evaluation problems and never used for training."""
@@ -76,3 +74,24 @@ def load_gsm8k_solutions(split: str) -> list[dict]:
         }
         for index, record in chosen
     ]
+
+
+def gsm8k_reference(answer_field: str) -> str:
+    """The reference number of a GSM8K ``answer`` field: what follows ``####``, commas removed."""
+    if "####" not in answer_field:
+        raise ValueError(f"GSM8K answer has no '####' line: {answer_field[-80:]!r}")
+    value = answer_field.rsplit("####", 1)[1].strip().replace(",", "")
+    if not value:
+        raise ValueError(f"GSM8K answer has nothing after '####': {answer_field[-80:]!r}")
+    return value
+
+
+SOLVE_INSTRUCTION = (
+    "Solve the following problem step by step. Separate the steps with a blank line, and put the "
+    "final answer in \\boxed{}."
+)
+
+
+def solve_message(problem: str) -> str:
+    """The user message that asks for a step-by-step solution of `problem`."""
+    return f"{SOLVE_INSTRUCTION}\n\n{problem.strip()}"

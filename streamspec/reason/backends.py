@@ -12,7 +12,7 @@ Every backend can
   after the judging request, in one pass whose request tokens are then dropped again,
 - `append` text written elsewhere, and `rollback` to a `mark`.
 
-A local backend keeps the KV cache of everything kept (`streamspec.session.DecodingSession`), so
+A local backend keeps the KV cache of everything kept (`streamspec.decoding.session.DecodingSession`), so
 a judgement reads only the new step and the request; a step kept after its judgement keeps the
 entries the judge pass wrote.
 """
@@ -29,10 +29,11 @@ from functools import lru_cache
 
 import torch
 
-from ..decoding import Sampler
-from ..session import DecodingSession
+from ..decoding.generate import Sampler
+from ..decoding.session import DecodingSession
 from .config import BackendConfig
-from .prompts import JUDGE_REPLY_OPENING, JUDGE_REQUEST, solve_message
+from ..data.reasoning import solve_message
+from .prompts import JUDGE_REPLY_OPENING, JUDGE_REQUEST
 
 logger = logging.getLogger(__name__)
 _SENTINEL = "\u2063STREAMSPEC-STEP\u2063"
@@ -222,7 +223,7 @@ class LocalBackend(Backend):
     """
 
     def __init__(self, model, tokenizer, streams: bool = True, tree_top_k=None, name: str = "model") -> None:
-        from ..model import StreamedModel
+        from ..patch.model import StreamedModel
 
         self.name = name
         self.streamed = isinstance(model, StreamedModel) and streams

@@ -150,7 +150,7 @@ class ReasonSetup:
 def load_reason_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ReasonSetup:
     """Read a YAML file (sections ``reason``, ``base``, ``drafter``, ``judge``) and apply
     ``section.key=value`` overrides (values parsed as YAML)."""
-    from ..recipe import _build
+    from ..config import _build
 
     raw: dict[str, Any] = {}
     if path is not None:

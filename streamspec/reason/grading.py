@@ -118,16 +118,6 @@ def extract_answer(text: str | None, fmt: str = "boxed") -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-def gsm8k_reference(answer_field: str) -> str:
-    """The reference number of a GSM8K ``answer`` field: what follows ``####``, commas removed."""
-    if "####" not in answer_field:
-        raise ValueError(f"GSM8K answer has no '####' line: {answer_field[-80:]!r}")
-    value = answer_field.rsplit("####", 1)[1].strip().replace(",", "")
-    if not value:
-        raise ValueError(f"GSM8K answer has nothing after '####': {answer_field[-80:]!r}")
-    return value
-
-
 # ---------------------------------------------------------------------------------------------
 # Normalisation
 

@@ -9,11 +9,6 @@ only, and the opening of its own reply, so the next token it would write is the 
 
 from __future__ import annotations
 
-SOLVE_INSTRUCTION = (
-    "Solve the following problem step by step. Separate the steps with a blank line, and put the "
-    "final answer in \\boxed{}."
-)
-
 JUDGE_REQUEST = (
     "Rate only the last step of the reasoning above on a scale from 0 to 9, for factual correctness "
     "and logical validity (not style, and not whether it is the most useful next step). "
@@ -25,6 +20,3 @@ JUDGE_REPLY_OPENING = "Judging the last step, the quality score is: "
 ANSWER_CUE = "\n\nTherefore, the final answer is \\boxed{"
 
 
-def solve_message(problem: str) -> str:
-    """The user message that asks for a step-by-step solution of `problem`."""
-    return f"{SOLVE_INSTRUCTION}\n\n{problem.strip()}"

@@ -17,7 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from streamspec.reason.grading import gsm8k_reference, parse_number
+from streamspec.data.reasoning import gsm8k_reference
+from streamspec.reason.grading import parse_number
 
 TASKS = ("gsm8k", "aime2025", "champ")
 KINDS = ("numeric", "math")

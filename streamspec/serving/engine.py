@@ -5,7 +5,7 @@ A streamed checkpoint decodes with speculative streaming (`streamspec.decoding.g
 ``on_tokens`` callback receives each pass's accepted tokens, which become text (and server-sent
 events) at once, and returning True from it ends decoding after that pass (a stop string, a client
 that went away). Any other causal LM decodes one token per pass through
-`streamspec.session.DecodingSession`, whose stop rule plays the same part.
+`streamspec.decoding.session.DecodingSession`, whose stop rule plays the same part.
 
 Log-probabilities are those of the main stream's distribution at each generated position,
 computed the way decoding computes it (`Scorer`: the same KV-cached passes, streams carried at the
@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from ..decoding import Sampler, generate
-from ..layout import causal, main_allowed
+from ..decoding.generate import Sampler, generate
+from ..patch.layout import causal, main_allowed
 from ..loading import LoadedModel
 from .protocol import APIError, DecodeStats
 
@@ -133,7 +133,7 @@ class Scorer:
         self.model, self.streamed, self.top, self.device = model, streamed, top, device
         self.past = 0
         if streamed:
-            from ..cache import MainStreamCache
+            from ..decoding.cache import MainStreamCache
 
             self.cache = MainStreamCache(len(model.layers))
         else:
@@ -246,7 +246,7 @@ class Engine:
         self.model, self.tokenizer, self.streamed = loaded.model, loaded.tokenizer, loaded.streamed
         self.tree_top_k, self.prune_threshold = tree_top_k, prune_threshold
         if self.streamed:
-            from ..tree import tree_shape
+            from ..decoding.tree import tree_shape
 
             tree_shape(tree_top_k, self.model.stream_config.num_streams)  # a bad tree fails at start-up
         extra = self.model.stream_config.num_streams if self.streamed else 0
@@ -357,7 +357,7 @@ class Engine:
                            prune_threshold=self.prune_threshold, eos_token_id=self.eos, on_tokens=on_tokens)
             passes, generated, accepted = out.forward_passes, out.tokens.shape[1], out.accepted_per_pass
         else:
-            from ..session import DecodingSession
+            from ..decoding.session import DecodingSession
 
             session = DecodingSession(self.model)
             session.extend(job.prompt_ids)

@@ -136,7 +136,7 @@ class RowCache(MainStreamCache):
     main entries right after its own stored ones (`row_lengths`, on the device), so a rejected
     draft is overwritten by the next pass instead of staying behind masked: the cache grows by
     what each row accepts, not by the draft's length. Attention reads the region every row fits
-    in (`width`, a bound the host keeps) and a mask (`streamspec.layout.row_allowed`) says which
+    in (`width`, a bound the host keeps) and a mask (`streamspec.patch.layout.row_allowed`) says which
     entries of it are each row's.
     """
 

@@ -75,40 +75,6 @@ def save_trainable(engine, output_dir: str) -> None:
         del engine.module_state_dict  # the class's method again
 
 
-def check_trainable_checkpoint(model: nn.Module, folder: Path) -> None:
-    """Refuse to resume from a DeepSpeed checkpoint whose weights are not exactly the model's
-    trainable ones (missing, unexpected or mis-shaped), as a streamed checkpoint is refused."""
-    from .checkpoint import CheckpointError
-
-    latest = folder / "latest"
-    if not latest.is_file():
-        raise CheckpointError(f"{folder} holds no DeepSpeed checkpoint ('latest' is missing)")
-    tag = folder / latest.read_text().strip()
-    # ZeRO-0/1/2 write one model-states file, ZeRO-3 one per process (the same names in each)
-    candidates = [tag / "mp_rank_00_model_states.pt", tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"]
-    states = next((c for c in candidates if c.is_file()), None)
-    if states is None:
-        raise CheckpointError(f"{tag} holds no DeepSpeed model states ({candidates[0].name} or {candidates[1].name})")
-    saved = torch.load(states, map_location="cpu", weights_only=False)
-    buffers = set(saved.get("buffer_names") or [])
-    saved_shapes = {}
-    for group in saved.get("param_shapes") or []:  # ZeRO: the true shapes (ZeRO-3 saves empty tensors)
-        saved_shapes.update(group)
-    weights = {k for k in saved["module"] if k not in buffers}
-    expected = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(set(expected) - weights)
-    unexpected = sorted(weights - set(expected))
-    shapes = sorted(
-        name for name in set(expected) & set(saved_shapes)
-        if tuple(saved_shapes[name]) != tuple(getattr(expected[name], "ds_shape", expected[name].shape))
-    )
-    if missing or unexpected or shapes:
-        raise CheckpointError(
-            f"{states} does not hold the model's trainable weights: missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}, mis-shaped {shapes[:5]} ({len(missing)}, {len(unexpected)}, {len(shapes)})"
-        )
-
-
 def check_deepspeed_config(recipe) -> dict | None:
     """Read and check the recipe's DeepSpeed config."""
     path = recipe.training.deepspeed

@@ -13,9 +13,12 @@ Methods:
 - ``chain``, ``tree``, ``tree_pruned``: speculative streaming with tree_top_k 1, the given tree (or
   with ``"auto"`` the fastest shape on validation prompts), and that tree with the pruning
   threshold chosen on validation prompts;
-- ``tree_lookup``: that tree with prompt-lookup branches merged in (`streamspec.lookup`), the
+- ``tree_lookup``: that tree with prompt-lookup branches merged in (`streamspec.decoding.lookup`), the
   branch length, number of matches and node budget given or (``"auto"``) the fastest of
-  `LOOKUP_CANDIDATES` on validation prompts.
+  `LOOKUP_CANDIDATES` on validation prompts;
+- ``tree_confidence``: each pass's tree grown by confidence from 3 candidates per stream
+  (`streamspec.decoding.tree.grow_tree`), its node budget given or (``"auto"``) the fastest of
+  `BUDGET_CANDIDATES` on validation prompts.
 
 Each method reports tokens/s, walltime speedup over the baseline, CRR (generated tokens ÷ forward
 passes), mean tokens per pass, acceptance by depth, whether its outputs equal the streamed
@@ -35,11 +38,11 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .data.build import prompt_ids
-from .decoding import generate
-from .evaluation import sql_exact_match, sql_is_valid
-from .lookup import PromptLookup
-from .tree import tree_shape
+from ..data.build import prompt_ids
+from ..decoding.generate import generate
+from .metrics import sql_exact_match, sql_is_valid
+from ..decoding.lookup import PromptLookup
+from ..decoding.tree import tree_shape
 
 
 @dataclass
@@ -240,11 +243,11 @@ def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = N
     paths["markdown"].write_text(markdown_table(summary) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("chain", "tree", "tree_pruned", "tree_lookup"):
+    for name in ("chain", "tree", "tree_pruned", "tree_lookup", "tree_confidence"):
         histogram = summary.get(name, {}).get("accepted_per_pass_histogram") or {}
         if histogram:
-            ax.bar([int(k) + {"chain": -0.3, "tree": -0.1, "tree_pruned": 0.1, "tree_lookup": 0.3}[name] for k in histogram],
-                   list(histogram.values()), width=0.25, label=name)
+            ax.bar([int(k) + {"chain": -0.34, "tree": -0.17, "tree_pruned": 0, "tree_lookup": 0.17, "tree_confidence": 0.34}[name] for k in histogram],
+                   list(histogram.values()), width=0.17, label=name)
     ax.set_xlabel("tokens accepted per pass")
     ax.set_ylabel("passes")
     ax.legend()
@@ -276,15 +279,15 @@ def held_out_rows(task: str, data: str | None = None, split: str = "test") -> li
     """Prompts to benchmark: Spider's held-out databases, ACLSum, or a JSONL file with prompt and
     completion fields."""
     if data is not None:
-        from .data.build import load_rows
+        from ..data.build import load_rows
 
         return load_rows(path=data)
     if task == "sql":
-        from .data.spider import load_spider
+        from ..data.spider import load_spider
 
         return load_spider(split)
     if task == "summarize":
-        from .data.aclsum import load_aclsum
+        from ..data.aclsum import load_aclsum
 
         return load_aclsum(split)
     raise ValueError(f"task must be 'sql' or 'summarize' (or give data=FILE), got {task!r}")
@@ -318,6 +321,20 @@ def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: 
 LOOKUP_CANDIDATES = (PromptLookup(4, 1), PromptLookup(8, 1), PromptLookup(8, 2), PromptLookup(12, 2),
                      PromptLookup(16, 3, budget=32))
 DEFAULT_LOOKUP = PromptLookup(8, 2)
+
+# Node budgets tried on validation for the confidence-shaped tree (3 candidates per stream).
+BUDGET_CANDIDATES = (3, 4, 6, 8, 12, 16)
+DEFAULT_BUDGET = 6
+CONFIDENCE_TOP_K = 3
+
+
+def choose_budget(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int) -> tuple[int, dict]:
+    """The confidence tree's node budget with the best tokens/s on validation prompts; and each
+    budget's tokens/s and CRR."""
+    methods = {str(b): streaming_method(model, tokenizer.eos_token_id, tree_top_k=CONFIDENCE_TOP_K, tree_budget=b)
+               for b in candidates}
+    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    return int(best), table
 
 
 def lookup_name(lookup: PromptLookup) -> str:
@@ -356,6 +373,7 @@ def run_benchmark(
     thresholds: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2),
     sweep_top_k: tuple[int, ...] = (),
     lookup: PromptLookup | str | None = "auto",
+    tree_budget: int | str | None = "auto",
     max_new_tokens: int = 128,
     out_dir: str | None = None,
     cpu_kernels: bool = True,
@@ -375,13 +393,15 @@ def run_benchmark(
         lookup: the ``tree_lookup`` row's `PromptLookup`, ``"auto"`` (the fastest of
             `LOOKUP_CANDIDATES` on validation prompts; `DEFAULT_LOOKUP` with `data`, which has
             no validation split) or None (no such row).
+        tree_budget: the ``tree_confidence`` row's node budget, ``"auto"`` (the fastest of
+            `BUDGET_CANDIDATES` on validation prompts; `DEFAULT_BUDGET` with `data`) or None.
         cpu_kernels: on a CPU, run every model's fp32 linear layers through packed oneDNN kernels
             (`streamspec.kernels.pack_linear_layers`) and add the ``baseline_default_kernels`` row.
         device / dtype: where and in what precision both models run (`streamspec.loading`;
             ``auto``: CUDA in bfloat16 when available, else the CPU in float32).
     """
-    from .checkpoint import read_checkpoint_meta
-    from .loading import load_for_inference
+    from ..patch.checkpoint import read_checkpoint_meta
+    from ..loading import load_for_inference
 
     auto_tree = tree_top_k == "auto"
     if isinstance(tree_top_k, list):
@@ -395,6 +415,13 @@ def run_benchmark(
         raise ValueError(f"lookup must be a PromptLookup, 'auto' or None, got {lookup!r}")
     if auto_lookup and data is not None:  # no validation split: the usual setting
         lookup, auto_lookup = DEFAULT_LOOKUP, False
+    auto_budget = tree_budget == "auto"
+    if isinstance(tree_budget, str) and not auto_budget:
+        raise ValueError(f"tree_budget must be an int, 'auto' or None, got {tree_budget!r}")
+    if auto_budget and data is not None:
+        tree_budget, auto_budget = DEFAULT_BUDGET, False
+    if auto_budget and validation_limit < 1:
+        raise ValueError(f"validation_limit must be >= 1 to choose the tree budget on validation, got {validation_limit}")
     if auto_lookup and validation_limit < 1:
         raise ValueError(f"validation_limit must be >= 1 to choose the lookup on validation, got {validation_limit}")
     meta = read_checkpoint_meta(checkpoint)
@@ -409,13 +436,15 @@ def run_benchmark(
 
     threshold = None
     validation = None
-    if data is None and (auto_tree or thresholds or auto_lookup):
+    if data is None and (auto_tree or thresholds or auto_lookup or auto_budget):
         validation = held_out_rows(task, split="validation")[:validation_limit]
     if auto_tree:
         tree_top_k, tree_table = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
     if validation is not None and thresholds:
         threshold, threshold_table = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds),
                                                       max_new_tokens)
+    if auto_budget:
+        tree_budget, budget_table = choose_budget(model, tokenizer, validation, BUDGET_CANDIDATES, max_new_tokens)
     if auto_lookup:
         lookup, lookup_table = choose_lookup(model, tokenizer, validation, tree_top_k, LOOKUP_CANDIDATES, max_new_tokens)
     methods = {
@@ -431,6 +460,8 @@ def run_benchmark(
         methods["tree_pruned"] = streaming_method(model, eos, tree_top_k=tree_top_k, prune_threshold=threshold)
     if lookup is not None:
         methods["tree_lookup"] = streaming_method(model, eos, tree_top_k=tree_top_k, lookup=lookup)
+    if tree_budget is not None:
+        methods["tree_confidence"] = streaming_method(model, eos, tree_top_k=CONFIDENCE_TOP_K, tree_budget=tree_budget)
     lossless_on_base = baseline is None and model.stream_config.mode == "lossless"
     save_partial = None
     if out_dir is not None:
@@ -453,6 +484,11 @@ def run_benchmark(
         summary["tree_pruned"]["tree_top_k"] = summary["tree"]["tree_top_k"]
         summary["tree_pruned"]["prune_threshold"] = threshold
         summary["tree_pruned"]["validation"] = threshold_table
+    if tree_budget is not None:
+        summary["tree_confidence"].update(tree_top_k=CONFIDENCE_TOP_K, tree_budget=tree_budget,
+                                          budget_chosen_on_validation=auto_budget)
+        if auto_budget:
+            summary["tree_confidence"]["validation"] = budget_table
     if lookup is not None:
         summary["tree_lookup"]["tree_top_k"] = summary["tree"]["tree_top_k"]
         summary["tree_lookup"]["lookup"] = lookup_name(lookup)
@@ -488,7 +524,7 @@ def run_benchmark(
 def _pack_for_cpu(*models) -> bool:
     """Pack all the models' fp32 CPU linear layers for oneDNN (see `streamspec.kernels`), or none:
     False when one is on another device or in another dtype, or this torch has no oneDNN."""
-    from .kernels import cpu_kernels_available, pack_linear_layers
+    from ..kernels import cpu_kernels_available, pack_linear_layers
 
     if not cpu_kernels_available():
         return False
@@ -503,7 +539,7 @@ def _pack_for_cpu(*models) -> bool:
 
 def with_default_kernels(method: Callable, model) -> Callable:
     """`method` run with torch's default linear kernels in `model` (see `streamspec.kernels`)."""
-    from .kernels import default_linear_kernels
+    from ..kernels import default_linear_kernels
 
     def run(ids: torch.Tensor, max_new_tokens: int):
         with default_linear_kernels(model):
@@ -514,13 +550,13 @@ def with_default_kernels(method: Callable, model) -> Callable:
 
 def _baseline_model(meta: dict, checkpoint: str, baseline: str | None, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32):
-    from .assets import load_base_model
-    from .checkpoint import recorded_base
+    from ..assets import load_base_model
+    from ..patch.checkpoint import recorded_base
 
     base_name = recorded_base(checkpoint, meta)
     model = load_base_model(base_name, dtype=dtype)
     if baseline is not None:
-        from .checkpoint import _load_adapter
+        from ..patch.checkpoint import _load_adapter
 
         model = _load_adapter(model, Path(baseline)).merge_and_unload().eval()
     return model.to(device)

@@ -141,7 +141,7 @@ def causal(num_new: int, device: torch.device | None = None) -> torch.Tensor:
 
 
 def row_allowed(prompt_real: torch.Tensor, row_lengths: torch.Tensor, width: int, num_new: int) -> torch.Tensor:
-    """Who a main query may attend to in a `streamspec.cache.RowCache`, where row b's stored
+    """Who a main query may attend to in a `streamspec.decoding.cache.RowCache`, where row b's stored
     entries are its prompt (``prompt_real`` [B, T0], padding included) then the tokens it
     accepted, ``row_lengths[b]`` in all, and this pass's ``num_new`` entries follow them.
 

@@ -2,7 +2,7 @@
 
 `generate_autoregressive` is plain greedy decoding of a `StreamedModel`, one token per forward
 pass, with the main-stream KV cache: the reference that speculative decoding must reproduce. The
-carrying rule (`streamspec.layout.carrying_positions`) holds here too: the last prompt position
+carrying rule (`streamspec.patch.layout.carrying_positions`) holds here too: the last prompt position
 and every generated position carry γ streams, so in shared mode the main stream sees them
 exactly as in training.
 """
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
 import torch
 
 from .cache import MainStreamCache, StaticCacheView
-from .layout import causal, main_allowed
-from .model import StreamedModel
+from ..patch.layout import causal, main_allowed
+from ..patch.model import StreamedModel
 from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost, children_of, tree_from_parents
 from .tree import DraftTree, accepted_nodes, build_tree, deepest_path, prune_by_transition, tree_shape
+from .output import GenerateOutput, _stop_set, _within_limits, read_to_host
 
 
 _MASK32 = 0xFFFFFFFF
@@ -183,54 +183,6 @@ def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, pro
     return out
 
 
-def read_to_host(values: torch.Tensor) -> list:
-    """The decoding loops' one read from the device per pass (as a list): what was accepted and
-    whether to stop. Every other step of a pass stays on the device; tests count these reads."""
-    return values.tolist()
-
-
-def _stop_set(eos_token_id) -> set[int]:
-    return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
-
-
-@dataclass
-class GenerateOutput:
-    """Generated tokens and what it took.
-
-    Attributes:
-        tokens: [1, n] the new tokens (EOS included when it ended the text).
-        forward_passes: model calls, prefill included.
-        accepted_per_pass: tokens each call added (prefill: 1).
-        nodes_per_pass: draft-tree nodes before and after pruning, per call after prefill.
-        seconds_per_pass: wall time of each call, prefill included.
-        lengths: for a batch, the number of real tokens of each row of `tokens`.
-        forward_seconds_per_pass / head_seconds_per_pass: of each call's time, the part in the
-            transformer layers and the part in the LM head and early-exit head (speculative decoding
-            of one sequence, or one token per pass; on an accelerator only with ``profile=True``).
-            The rest is `overhead_seconds_per_pass`.
-    """
-
-    tokens: torch.Tensor
-    forward_passes: int
-    accepted_per_pass: list[int] = field(default_factory=list)
-    nodes_per_pass: list[tuple[int, int]] = field(default_factory=list)
-    seconds_per_pass: list[float] = field(default_factory=list)
-    lengths: list[int] | None = None
-    forward_seconds_per_pass: list[float] = field(default_factory=list)
-    head_seconds_per_pass: list[float] = field(default_factory=list)
-
-    @property
-    def overhead_seconds_per_pass(self) -> list[float]:
-        """Per call, the time outside the transformer layers and the LM/early-exit heads: tree
-        building, masks, verification bookkeeping, cache moves."""
-        return [max(t - f - h, 0.0) for t, f, h in zip(self.seconds_per_pass, self.forward_seconds_per_pass,
-                                                         self.head_seconds_per_pass)]
-
-    @property
-    def tokens_per_pass(self) -> float:
-        return self.tokens.shape[1] / max(self.forward_passes, 1)
-
-
 @lru_cache(maxsize=16)
 def _tree(shape: tuple[int, ...]) -> DraftTree:
     return build_tree(shape, len(shape))
@@ -267,6 +219,7 @@ def generate(
     compile: bool | str = False,
     lookup: PromptLookup | None = None,
     verify: str = "auto",
+    tree_budget: int | None = None,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -280,7 +233,7 @@ def generate(
     Args:
         tree_top_k: candidates per stream; default 3 for one sequence. A tuple gives them depth by
             depth, e.g. (3, 1, 1): three candidates for the next token, one below each (at most γ
-            depths; see `streamspec.tree`). A batch (B > 1, padded through `attention_mask`) uses
+            depths; see `streamspec.decoding.tree`). A batch (B > 1, padded through `attention_mask`) uses
             the single best path per sequence (tree_top_k 1).
         prune_threshold: drop draft children whose early-exit transition probability is below it.
         on_tokens: called with each call's accepted tokens as they come (one sequence only), cut
@@ -302,10 +255,14 @@ def generate(
             "eager") may be given instead. Refused with ``prune_threshold`` (pruning changes the
             number of rows in the middle of a pass) and for a batch. The forward/head split of
             the timings is not made: a pass's whole compiled call counts as forward time.
-        lookup: prompt-lookup branches in the stream tree (`streamspec.lookup.PromptLookup`):
+        lookup: prompt-lookup branches in the stream tree (`streamspec.decoding.lookup.PromptLookup`):
             each pass, continuations of the text's latest n-gram found earlier in the prompt or
             the generated text join the tree as extra branches, verified in the same pass. Exact
             like the stream tree. One sequence, uncompiled, without pruning.
+        tree_budget: shape each pass's tree by confidence instead: from the `tree_top_k`
+            candidates of each stream, grow the tree best-first by path probability (the product
+            of the streams' probabilities along it) until it has this many nodes
+            (`streamspec.decoding.tree.grow_tree`). One sequence, uncompiled, without pruning.
         verify: where a pass decides what it accepts. ``"device"``: with tensor operations on the
             model's device, one LM-head call over every row the pass may need (each node's main
             row and stream rows) and one read to the host per pass. ``"host"``: a walk down the
@@ -322,10 +279,11 @@ def generate(
     if backend is not None:
         _check_compile(batched, speculative, prune_threshold)
     _check_lookup(lookup, batched, speculative, prune_threshold, backend)
+    _check_budget(tree_budget, batched, speculative, prune_threshold, backend)
     host_walk = walks_on_host(verify, input_ids.device, backend)
     sampler = Sampler(temperature, top_p, top_k, seed, device=input_ids.device)
     if batched:
-        from .batching import generate_batch
+        from .batch import generate_batch
 
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         return generate_batch(model, input_ids, mask, max_new_tokens, sampler, _stop_set(eos_token_id), GenerateOutput,
@@ -342,8 +300,26 @@ def generate(
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
                           _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
-                          lookup=lookup, host_walk=host_walk)
+                          lookup=lookup, host_walk=host_walk, tree_budget=tree_budget)
     return out
+
+
+def _check_budget(tree_budget, batched: bool, speculative: bool, prune_threshold, backend) -> None:
+    if tree_budget is None:
+        return
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be an int >= 1 (nodes, the root included) or None, got {tree_budget!r}")
+    _refuse_host_tree_with("tree_budget", batched, speculative, prune_threshold, backend)
+
+
+def _refuse_host_tree_with(feature: str, batched: bool, speculative: bool, prune_threshold, backend) -> None:
+    """`feature` builds each pass's tree on the host: one sequence, speculative, uncompiled, unpruned."""
+    for refused, why in ((batched, "a batch (B > 1)"), (not speculative, "speculative=False"),
+                         (prune_threshold is not None, "prune_threshold (pruning needs the fixed tree's node order)"),
+                         (backend is not None, "compile (the tree changes shape every pass)")):
+        if refused:
+            raise ValueError(f"{feature}: each pass's tree is built on the host, for one sequence's uncompiled "
+                             f"speculative decoding; not with {why}")
 
 
 VERIFY_CHOICES = ("auto", "device", "host")
@@ -362,12 +338,8 @@ def _check_lookup(lookup, batched: bool, speculative: bool, prune_threshold, bac
     if lookup is None:
         return
     if not isinstance(lookup, PromptLookup):
-        raise TypeError(f"lookup must be a streamspec.lookup.PromptLookup or None, got {type(lookup).__name__}")
-    for refused, why in ((batched, "a batch (B > 1)"), (not speculative, "speculative=False"),
-                         (prune_threshold is not None, "prune_threshold (pruning needs the stream tree's node order)"),
-                         (backend is not None, "compile (a lookup tree changes shape every pass)")):
-        if refused:
-            raise ValueError(f"lookup branches are for one sequence's uncompiled speculative decoding; not with {why}")
+        raise TypeError(f"lookup must be a streamspec.decoding.lookup.PromptLookup or None, got {type(lookup).__name__}")
+    _refuse_host_tree_with("lookup branches", batched, speculative, prune_threshold, backend)
 
 
 def _check_compile(batched: bool, speculative: bool, prune_threshold: float | None) -> None:
@@ -384,7 +356,8 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
               sampler: Sampler, shape: tuple[int, ...], prune_threshold: float | None, stop: set[int],
               on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock",
               compile: bool | str = False, lookup: PromptLookup | None = None,
-              history: list[int] | None = None, host_walk: bool = False) -> tuple[GenerateOutput, int, list[int]]:
+              history: list[int] | None = None, host_walk: bool = False,
+              tree_budget: int | None = None) -> tuple[GenerateOutput, int, list[int]]:
     """The speculative-streaming loop of one sequence, from a cache that already holds `past`
     entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache).
     Arguments are checked by the caller. Returns the output, how many entries the cache then
@@ -402,10 +375,12 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     call of the compiled `_tree_pass` over the cache's whole buffers; `prune_threshold` must then
     be None.
 
-    With `host_walk`, a pass verifies with `_walk` instead (see `generate`'s ``verify``).
+    With `host_walk`, a pass verifies with `_walk` instead (see `generate`'s ``verify``). With
+    `tree_budget`, each pass's stream tree is grown by confidence (`grow_tree`) on the host from
+    the candidates' scores, which the pass's read then carries too.
 
     With `lookup`, each pass's tree is the stream tree with the lookup branches merged in
-    (`streamspec.lookup`), built on the host from the tokens it has read: the pass's one read
+    (`streamspec.decoding.lookup`), built on the host from the tokens it has read: the pass's one read
     then carries the next stream candidates too. `history` is the text before `new_ids` (the
     tokens whose entries the cache holds) for the lookup; `generate` has none.
     """
@@ -418,7 +393,9 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     upper_layers = range(model.num_lower_layers, len(model.layers))
     out = GenerateOutput(tokens=new_ids.new_zeros(1, 0), forward_passes=0)
     backend = _compile_backend(compile)
-    most_nodes = tree.size if lookup is None else _lookup_nodes(tree.size, lookup)
+    stream_nodes = tree.size if tree_budget is None else min(tree_budget, tree.size)
+    most_nodes = stream_nodes if lookup is None else _lookup_nodes(stream_nodes, lookup)
+    host_tree = lookup is not None or tree_budget is not None
     needed = past + new_ids.shape[1] + max_new_tokens + most_nodes * (1 + model.stream_config.num_streams)
     if backend is not None:
         if prune_threshold is not None:
@@ -439,6 +416,7 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     logits = model.head(torch.cat([main[0, -1:], streams[0, 0, :depth_limit]], dim=0))  # [1 + depth, V]
     root = sampler(logits[:1], positions[0, -1:] + 1)  # [1]: the token at index past + length
     candidates = logits[1:].topk(width, dim=-1).indices
+    scores = logits[1:].log_softmax(-1).gather(-1, candidates) if tree_budget is not None else None
     generated = read_to_host(root)
     stopped = on_tokens is not None and bool(on_tokens(list(generated)))
     end = clock()
@@ -453,8 +431,10 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     if lookup is not None:
         text = NgramIndex(lookup.ngram)
         text.extend(list(history or []) + new_ids[0].tolist() + generated)
+    if host_tree:  # the first draft's tokens (and scores), for the host to build the tree from
         stream_tree = _host_tree(shape)
-        host_candidates = read_to_host(candidates)  # the first draft's tokens, for merging (then carried by each pass's read)
+        host_candidates = read_to_host(candidates)
+        host_scores = read_to_host(scores) if scores is not None else None
 
     ended = generated[0] in stop or stopped
     if backend is not None:
@@ -466,12 +446,15 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     while len(generated) < max_new_tokens and not ended:
         start = clock()
         head_seconds = 0.0
-        if lookup is None:
+        if not host_tree:
             tokens = tree.tokens(root[0], candidates)
-        else:  # the stream tree with the lookup branches merged in, from tokens the host has
-            parents, host_tokens = stream_tree.with_branches(generated[-1], host_candidates,
-                                                             text.continuations(lookup), lookup.budget)
-            step_tree = tree if len(parents) == tree.size else tree_from_parents(parents, depth_limit, shape).to(device)
+        else:  # the stream tree (fixed, or grown by confidence) with any lookup branches merged in
+            base = stream_tree if tree_budget is None else StreamTreeOnHost.grown(host_scores, tree_budget)
+            branches = text.continuations(lookup) if lookup is not None else []
+            parents, host_tokens = base.with_branches(generated[-1], host_candidates, branches,
+                                                      lookup.budget if lookup is not None else None)
+            fixed = base is stream_tree and len(parents) == tree.size
+            step_tree = tree if fixed else tree_from_parents(parents, depth_limit, shape).to(device)
             children = full_children if step_tree is tree or not host_walk else children_of(parents)
             tokens = torch.tensor(host_tokens, dtype=new_ids.dtype, device=device)
             everything, every_slot_valid = all_nodes[: step_tree.size], all_valid[:, : step_tree.size]
@@ -501,21 +484,30 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
         forward_done = clock()
         if host_walk:
             node_tokens = read_to_host(tokens[kept])
-            walked, root, candidates = _walk(model, main, streams, children, node_tokens, positions[0] + 1, sampler, width,
-                                             depth_limit)
+            walked, root, stream_logits = _walk(model, main, streams, children, node_tokens, positions[0] + 1, sampler,
+                                                depth_limit)
+            candidates = stream_logits.topk(width, dim=-1).indices
             new = [node_tokens[i] for i in walked[1:]] + read_to_host(root)
             path = torch.tensor(walked, device=device)
-            if lookup is not None:
+            if host_tree:
                 host_candidates = read_to_host(candidates)
+                if tree_budget is not None:
+                    host_scores = read_to_host(stream_logits.log_softmax(-1).gather(-1, candidates))
         else:
-            path, accepted, root, candidates = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler,
-                                                       width, draft_depth=depth_limit)
-            if lookup is None:
+            verified = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler, width,
+                               draft_depth=depth_limit, with_scores=tree_budget is not None)
+            path, accepted, root, candidates = verified[:4]
+            scores = verified[4] if tree_budget is not None else None
+            if not host_tree:
                 summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
-            else:  # ... and the next candidates, to merge the next branches into
-                summary = read_to_host(torch.cat([accepted, candidates.flatten()]))
-                flat, summary = summary[len(accepted):], summary[: len(accepted)]
-                host_candidates = [flat[d * width : (d + 1) * width] for d in range(depth_limit)]
+            else:  # ... and the next candidates (and scores) to build the next tree from: still one read
+                parts = [accepted.double(), candidates.flatten().double()] + ([scores.flatten().double()] if scores is not None else [])
+                flat = read_to_host(torch.cat(parts))
+                summary, rest = [int(v) for v in flat[: len(accepted)]], flat[len(accepted):]
+                host_candidates = [[int(v) for v in rest[d * width : (d + 1) * width]] for d in range(depth_limit)]
+                if scores is not None:
+                    rest = rest[depth_limit * width :]
+                    host_scores = [rest[d * width : (d + 1) * width] for d in range(depth_limit)]
             new = summary[1 : summary[0] + 2]
         head_done = clock()
         cache.keep(past, kept[path], lower_layers, length=len(new))
@@ -577,8 +569,8 @@ def _speculate_compiled(model, cache, past, root, candidates, generated, ended, 
 
 def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tree: DraftTree, node_tokens: torch.Tensor,
             next_index: torch.Tensor, sampler: Sampler, width: int,
-            key: torch.Tensor | None = None, draft_depth: int | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            key: torch.Tensor | None = None, draft_depth: int | None = None, with_scores: bool = False,
+            ) -> tuple[torch.Tensor, ...]:
     """Verify one sequence's draft tree and draft the next, on the device.
 
     The LM head runs once, over every node's main row and stream rows. The main stream chooses a
@@ -590,7 +582,8 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     and the next draft is the top-`width` of that node's stream logits. Returns the path [D+1] (node indices, padded past the deepest node),
     ``summary`` [D+2]: that node's depth, then the path's tokens after the root and the
     correction (padded), the new root [1] and the next candidates [draft_depth, width] (the
-    stream tree's depth; a tree with lookup branches may be deeper)."""
+    stream tree's depth; a tree with lookup branches may be deeper); with `with_scores`, also
+    the candidates' log-probabilities [draft_depth, width]."""
     depth_limit = tree.depth_limit
     n, draft = main.shape[1], draft_depth or depth_limit
     # One LM-head call over every row the pass may need: each node's main row, then its stream rows.
@@ -604,17 +597,20 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     tokens = torch.where(levels == depth, correction, drafted)
     stream_logits = logits[n:].view(n, draft, -1).index_select(0, best)[0]  # [D, V]: the deepest node's streams
     candidates = stream_logits.topk(width, dim=-1).indices
+    if with_scores:  # the candidates' log-probabilities, for a tree grown by confidence
+        scores = stream_logits.log_softmax(-1).gather(-1, candidates)
+        return path, torch.cat([depth, tokens]), correction, candidates, scores
     return path, torch.cat([depth, tokens]), correction, candidates
 
 
 def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, children: list[list[int]],
-          node_tokens: list[int], next_index: torch.Tensor, sampler: Sampler, width: int,
+          node_tokens: list[int], next_index: torch.Tensor, sampler: Sampler,
           depth: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Verify one sequence's draft tree from the root down, on the host: at each node the LM head
     runs on that node's main row and its first `depth` stream rows (one call), the main stream
     chooses a token there (keyed by `next_index`, as `_verify`); if a child holds it the walk
     moves there, else it is the correction. Returns the path (node indices), the correction [1]
-    and the top-`width` candidates [depth, width] of the last node's streams (the next draft)."""
+    and the stream logits [depth, V] of the last node (the next draft's)."""
     node, path = 0, [0]
     while True:
         logits = model.head(torch.cat([main[0, node : node + 1], streams[0, node, :depth]], dim=0))  # [1 + depth, V]
@@ -622,7 +618,7 @@ def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, child
         chosen = int(token)
         child = next((c for c in children[node] if node_tokens[c] == chosen), None)
         if child is None:
-            return path, token, logits[1:].topk(width, dim=-1).indices
+            return path, token, logits[1:]
         node = child
         path.append(node)
 
@@ -689,16 +685,6 @@ class _Clock:
         if self.sync:
             torch.cuda.synchronize()
         return time.perf_counter()
-
-
-def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[int]) -> list[int]:
-    """The part of `new` that the output keeps: up to max_new_tokens in all, and through the first
-    stop token."""
-    new = new[: max(max_new_tokens - before, 0)]
-    for i, token in enumerate(new):
-        if token in stop:
-            return new[: i + 1]
-    return new
 
 
 def _check_generate_args(

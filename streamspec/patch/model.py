@@ -5,26 +5,26 @@ A `StreamedModel` owns the HF causal LM (optionally wrapped by peft) and the few
 
 - the lower N−Ns decoder layers over the main positions only, as the base model would;
 - the top Ns (MSA) layers over ``[main positions] + [γ streams of each carrying position]`` with
-  the attention rules of `streamspec.layout.stream_allowed`.
+  the attention rules of `streamspec.patch.layout.stream_allowed`.
 
 Just before the MSA layers, a rank-`prune_rank` adapter and the model's own final norm and LM
 head give the early-exit logits used to prune draft trees.
 
 What acts on stream rows inside the MSA layers (value rotation, stream adapters) is a set of
-wrapper modules put in place of the layers' own modules once (`streamspec.stream_modules`).
+wrapper modules put in place of the layers' own modules once (`streamspec.patch.stream_modules`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from .arch import ArchSpec, arch_spec, sliding_window
-from .cache import MainStreamCache
-from .config import StreamConfig
+from ..arch import ArchSpec, arch_spec, sliding_window
+from ..config import StreamConfig
 from .layout import (
     carrying_positions,
     causal,
@@ -36,17 +36,21 @@ from .layout import (
     stream_slots,
     to_bias,
 )
-from .loss import cross_entropy_and_top1, frozen, weighted_cross_entropy
+from .loss import cross_entropy_and_top1, frozen
 from .stream_modules import (
     STREAM_ROWS,
     StreamAdapter,
-    StreamModule,
     StreamRows,
     ValueRotation,
     remove_stream_modules,
     replace_submodule,
-    unwrap,
 )
+from .saving import save_streamed
+from .objective import loss_terms, total_loss
+from .parameters import StreamAdapters, StreamParameters, _adapter_target, linear_targets
+
+if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
+    from ..decoding.cache import MainStreamCache
 
 
 @dataclass
@@ -71,125 +75,6 @@ class StreamedOutput(ModelOutput):
     stream_mask: torch.Tensor | None = None
 
 
-class StreamParameters(nn.Module):
-    """Everything the patch adds: stream identifiers P_j, the optional low-rank init map, and the
-    early-exit adapter. Only this module (and a LoRA adapter) is saved in a streamed checkpoint."""
-
-    def __init__(self, config: StreamConfig, hidden_size: int) -> None:
-        super().__init__()
-        g = config.num_streams
-        if config.stream_init != "value_rotation":
-            # In units of the main state's RMS (see make_streams): each stream starts 30% away.
-            self.stream_embeddings = nn.Parameter(torch.randn(g, hidden_size) * STREAM_INIT_STD)
-        if config.stream_init == "lowrank":
-            self.init_down = nn.Linear(hidden_size, config.init_rank, bias=False)
-            self.init_up = nn.Linear(config.init_rank, hidden_size, bias=False)
-            nn.init.zeros_(self.init_up.weight)  # f starts as the identity
-        # Residual low-rank adapter; zero-initialised up-projection so it starts as the logit lens.
-        self.exit_down = nn.Linear(hidden_size, config.prune_rank, bias=False)
-        self.exit_up = nn.Linear(config.prune_rank, hidden_size, bias=False)
-        nn.init.normal_(self.exit_down.weight, std=1.0 / math.sqrt(hidden_size))
-        nn.init.zeros_(self.exit_up.weight)
-        self.num_streams = g
-
-    def make_streams(self, main: torch.Tensor) -> torch.Tensor:
-        """S_j = f(M) + rms(M)·P_j: [B, S, h] main hidden states -> [B, S, γ, h] stream states.
-
-        P_j is expressed in units of the main state's root-mean-square (detached). Hidden states
-        at layer N−Ns are large (RMS ≈ 225 for SmolLM2-135M) and their scale differs by orders of
-        magnitude between models; an unscaled P_j of the usual init size would be thousands of
-        times smaller than M, every stream would start as a copy of the main stream, and the
-        fine-tuning learning rate would be far too small to grow it. In these units one init and
-        one learning rate fit every model.
-        """
-        dtype = self.dtype
-        if hasattr(self, "init_down"):
-            main = main + self.init_up(self.init_down(main.to(dtype))).to(main.dtype)
-        streams = main[:, :, None, :].expand(-1, -1, self.num_streams, -1)
-        if hasattr(self, "stream_embeddings"):
-            scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(dtype)
-            streams = streams + (scale[:, :, None, :] * self.stream_embeddings).to(main.dtype)
-        return streams
-
-    def forward(self, main: torch.Tensor) -> torch.Tensor:
-        """`make_streams`, as a module call: DeepSpeed ZeRO-3 gathers a module's own partitioned
-        parameters (the P_j) around its calls only, for the forward and the backward pass."""
-        return self.make_streams(main)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of these parameters: float32 master weights in reduced-precision training
-        (`streamspec.training`), else the base's; inputs are cast to it and results back."""
-        return self.exit_down.weight.dtype
-
-    def early_exit(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.exit_up(self.exit_down(hidden.to(self.dtype))).to(hidden.dtype)
-
-
-class StreamAdapters(nn.Module):
-    """Stream-only low-rank adapters: for each MSA layer and each of its linear layers, a residual
-    ``up(down(x))`` added to that linear's output on stream rows only (``up`` starts at zero, so
-    the streams start as without adapters). Keys are the linear's name inside its layer. The
-    weights live here (and are saved from here); a `StreamAdapter` wrapper in place of each linear
-    applies them."""
-
-    def __init__(self, targets: list[list[tuple[str, int, int]]], rank: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList()
-        for layer_targets in targets:
-            adapters = nn.ModuleDict()
-            for name, fan_in, fan_out in layer_targets:
-                pair = nn.Module()
-                pair.down = nn.Linear(fan_in, rank, bias=False)
-                pair.up = nn.Linear(rank, fan_out, bias=False)
-                nn.init.normal_(pair.down.weight, std=1.0 / math.sqrt(fan_in))
-                nn.init.zeros_(pair.up.weight)
-                adapters[_adapter_key(name)] = pair
-            self.layers.append(adapters)
-
-
-def _adapter_key(name: str) -> str:
-    """A linear's name inside its layer as a ModuleDict key (no dots); `_adapter_target` inverts it."""
-    return name.replace(".", "-")
-
-
-def _adapter_target(key: str) -> str:
-    return key.replace("-", ".")
-
-
-def linear_targets(layer: nn.Module) -> list[tuple[str, int, int]]:
-    """The linear layers of a decoder layer as ``(name, in_features, out_features)``: ``nn.Linear``,
-    GPT-2's ``Conv1D``, and a peft LoRA wrapper or a stream module counted as the one layer it
-    wraps (its insides are skipped), so the names are the same with and without them."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from transformers.pytorch_utils import Conv1D
-
-    found: list[tuple[str, int, int]] = []
-    taken: list[str] = []
-    for name, module in layer.named_modules():
-        if not name or any(name.startswith(prefix + ".") for prefix in taken):
-            continue
-        if isinstance(module, (BaseTunerLayer, StreamModule)):
-            inner = unwrap(module)
-            inner = inner.get_base_layer() if isinstance(inner, BaseTunerLayer) else inner
-        elif isinstance(module, (nn.Linear, Conv1D)):
-            inner = module
-        else:
-            continue
-        if isinstance(inner, Conv1D):
-            fan_in, fan_out = inner.weight.shape
-        elif isinstance(inner, nn.Linear):
-            fan_in, fan_out = inner.in_features, inner.out_features
-        else:
-            raise TypeError(f"stream adapters support linear layers only; {name} wraps {type(inner).__name__}")
-        found.append((name, int(fan_in), int(fan_out)))
-        taken.append(name)
-    if not found:
-        raise ValueError(f"stream adapters found no linear layer in {type(layer).__name__}")
-    return found
-
-
-STREAM_INIT_STD = 0.3
 _LOSSLESS_NO_LORA = "mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter"
 
 
@@ -323,9 +208,7 @@ class StreamedModel(nn.Module):
     def save_pretrained(self, directory, merge: bool = False, tokenizer=None):
         """Write a streamed checkpoint: only the new weights (and LoRA adapter), or with
         ``merge=True`` a self-contained folder with the base (LoRA merged). See
-        `streamspec.checkpoint`; load it back with `streamspec.load_streamed`."""
-        from .checkpoint import save_streamed
-
+        `streamspec.patch.checkpoint`; load it back with `streamspec.load_streamed`."""
         return save_streamed(self, directory, merge=merge, tokenizer=tokenizer)
 
     def num_stream_parameters(self) -> int:
@@ -371,9 +254,9 @@ class StreamedModel(nn.Module):
         cache: MainStreamCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MSA layers. Streams are made for the positions in `index` [B, S] (see
-        `streamspec.layout`); returns main [B, T, h] and stream [B, S, γ, h] final hidden states
+        `streamspec.patch.layout`); returns main [B, T, h] and stream [B, S, γ, h] final hidden states
         (before the final norm). Each layer call tells the stream modules, if any, how many leading
-        rows are main rows (see `streamspec.stream_modules.StreamRows`)."""
+        rows are main rows (see `streamspec.patch.stream_modules.StreamRows`)."""
         batch, num_new, width = hidden.shape
         g = self.stream_config.num_streams
         num_slots = index.shape[1]
@@ -417,7 +300,7 @@ class StreamedModel(nn.Module):
             attention_mask: [B, T], 1 for real tokens, 0 for padding (left or right).
             labels: [B, T] labels aligned with input_ids (HF convention: the model shifts them),
                 -100 where no loss is taken. Decides which positions carry streams (see
-                `streamspec.layout.carrying_positions`).
+                `streamspec.patch.layout.carrying_positions`).
             return_logits: also return the full logits tensors; default: only without labels.
             loss_chunk_size: positions per LM-head call in the loss.
             streams_at: without labels, which positions carry streams: ``"all"`` (every real
@@ -436,7 +319,7 @@ class StreamedModel(nn.Module):
             return_logits = labels is None
         out = StreamedOutput(stream_mask=carry)
         if labels is not None:
-            out.loss, out.loss_parts = self._loss(self._terms(lower, main, streams, index, valid, labels), loss_chunk_size)
+            out.loss, out.loss_parts = total_loss(self, loss_terms(self, lower, main, streams, index, valid, labels), loss_chunk_size)
         if return_logits:
             out.logits = self.head(main)
             out.early_exit_logits = self.early_exit_head(lower)
@@ -456,7 +339,7 @@ class StreamedModel(nn.Module):
         lower, main, streams, index, valid, _, labels = self._hidden(input_ids, attention_mask, labels)
         head = self.hf_model.get_output_embeddings()
         sums: dict[str, float] = {}
-        for name, hidden, target, _, transform in self._terms(lower, main, streams, index, valid, labels):
+        for name, hidden, target, _, transform in loss_terms(self, lower, main, streams, index, valid, labels):
             keep = target != -100
             loss_sum, correct = cross_entropy_and_top1(head, transform(hidden[keep]), target[keep], chunk_size)
             sums.update({f"{name}_loss_sum": loss_sum, f"{name}_correct": correct, f"{name}_count": int(keep.sum())})
@@ -507,68 +390,6 @@ class StreamedModel(nn.Module):
         b, s = valid.nonzero(as_tuple=True)
         full[b, index[b, s]] = logits[b, s]
         return full
-
-    def _terms(self, lower, main, streams, index, valid, labels):
-        """The loss terms ``(name, hidden, targets, weight, transform)``: main, each stream, and
-        the early exit last. `transform` maps selected hidden rows to what the LM head takes."""
-        cfg = self.stream_config
-        batch = labels.shape[0]
-        ignore = labels.new_full((batch, 1), -100)
-        next_labels = torch.cat([labels[:, 1:], ignore], dim=1)  # target of position t is labels[t+1]
-        norm = getattr(self.decoder, self.arch.norm)
-        terms = [("main", main, next_labels, cfg.main_weight, norm)]
-        # Stream j of the slot at position t predicts labels[t+1+j]; past the end there is none.
-        targets_of = labels if cfg.stream_targets == "labels" else self._main_predictions(main, next_labels, norm)
-        padded = torch.cat([targets_of, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
-        for j, weight in enumerate(cfg.stream_weights, start=1):
-            targets = padded.gather(1, index + 1 + j).masked_fill(~valid, -100)
-            terms.append((f"stream_{j}", streams[:, :, j - 1], targets, weight, norm))
-        terms.append(("early_exit", lower, next_labels, 1.0, self._early_exit_hidden))
-        return terms
-
-    @torch.no_grad()
-    def _main_predictions(self, main, next_labels, norm, chunk: int = 256):
-        """For stream_targets='main': labels-shaped targets whose entry at position p is the main
-        stream's top-1 prediction made at p−1 (for the token at p), -100 where the data has no
-        target there."""
-        keep = next_labels != -100
-        rows = main[keep]
-        head = self.hf_model.get_output_embeddings()
-        predicted = torch.full_like(next_labels, -100)
-        if rows.shape[0]:
-            chunks = [head(norm(rows[i : i + chunk])).argmax(-1) for i in range(0, rows.shape[0], chunk)]
-            predicted[keep] = torch.cat(chunks)
-        return torch.cat([next_labels.new_full((next_labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
-
-    def _loss(self, terms, chunk):
-        """Weighted sum of the terms' cross-entropies, each a mean over its rows with a target;
-        only those rows go through the LM head. The early-exit term (last) reaches only its
-        adapter (see early_exit_head)."""
-        head = self.hf_model.get_output_embeddings()
-        loss, means = _term_losses(head, terms[:-1], chunk)
-        exit_loss, exit_mean = _term_losses(head, terms[-1:], chunk, freeze_head=True)
-        parts = {name: value for (name, *_), value in zip(terms, means + exit_mean)}
-        return loss + exit_loss, parts
-
-
-def _term_losses(head, terms, chunk, freeze_head=False):
-    """Weighted sum over loss terms ``(name, hidden, targets, weight, transform)``, each term a mean
-    over its rows with a target, in one pass through the head over those rows only. Returns the
-    differentiable sum and each term's mean (detached)."""
-    rows, targets, weights, counts = [], [], [], []
-    for _, hidden, target, weight, transform in terms:
-        keep = target != -100
-        count = int(keep.sum())
-        rows.append(transform(hidden[keep]))
-        targets.append(target[keep])
-        weights.append(hidden.new_full((count,), weight / max(count, 1), dtype=torch.float32))
-        counts.append(count)
-    loss, per_row = weighted_cross_entropy(
-        head, torch.cat(rows), torch.cat(targets), torch.cat(weights), chunk, freeze_head=freeze_head
-    )
-    means = [(ce.sum() / max(count, 1)).detach() for ce, count in zip(per_row.split(counts), counts)]
-    return loss, means
-
 
 def add_streams(model: nn.Module, config: StreamConfig | None = None) -> StreamedModel:
     """Patch a transformers causal LM (or a peft model around one) with speculative streams.

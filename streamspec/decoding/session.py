@@ -21,10 +21,19 @@ import torch
 from torch import nn
 
 from .cache import MainStreamCache
-from .decoding import Sampler, _check_compile, _check_lookup, _Clock, _compile_backend, speculate, walks_on_host
+from .generate import (
+    Sampler,
+    _check_budget,
+    _check_compile,
+    _check_lookup,
+    _Clock,
+    _compile_backend,
+    speculate,
+    walks_on_host,
+)
 from .lookup import PromptLookup
-from .layout import causal, main_allowed
-from .model import StreamedModel
+from ..patch.layout import causal, main_allowed
+from ..patch.model import StreamedModel
 from .tree import tree_shape
 
 
@@ -72,15 +81,17 @@ class DecodingSession:
             pruning; see `streamspec.decoding.generate`). The compiled pass is shared with
             `generate` and with other sessions of the model; it compiles again only when the
             cache's buffers grow.
-        lookup: prompt-lookup branches in the draft tree (`streamspec.lookup.PromptLookup`;
+        lookup: prompt-lookup branches in the draft tree (`streamspec.decoding.lookup.PromptLookup`;
             streamed models, uncompiled, without pruning), looked up in the whole sequence.
         verify: where a pass decides what it accepts (``auto``, ``device``, ``host``; see
+            `streamspec.decoding.generate`).
+        tree_budget: grow each pass's tree by confidence up to this many nodes (see
             `streamspec.decoding.generate`).
     """
 
     def __init__(self, model: nn.Module, tree_top_k: int | tuple[int, ...] | None = None,
                  prune_threshold: float | None = None, compile: bool | str = False,
-                 lookup: PromptLookup | None = None, verify: str = "auto") -> None:
+                 lookup: PromptLookup | None = None, verify: str = "auto", tree_budget: int | None = None) -> None:
         self.model = model
         self.streamed = isinstance(model, StreamedModel)
         if not self.streamed and not hasattr(model, "config"):
@@ -89,12 +100,14 @@ class DecodingSession:
             self.shape = tree_shape(3 if tree_top_k is None else tree_top_k, model.stream_config.num_streams)
             if prune_threshold is not None and not 0 <= prune_threshold < 1:
                 raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")
-        elif tree_top_k is not None or prune_threshold is not None or compile or lookup is not None:
+        elif tree_top_k is not None or prune_threshold is not None or compile or lookup is not None or tree_budget:
             raise ValueError("tree_top_k, prune_threshold, compile and lookup are for streamed models; this model has no "
                              "streams")
         if _compile_backend(compile) is not None and prune_threshold is not None:
             _check_compile(False, True, prune_threshold)
         _check_lookup(lookup, False, True, prune_threshold, _compile_backend(compile))
+        _check_budget(tree_budget, False, True, prune_threshold, _compile_backend(compile))
+        self.tree_budget = tree_budget
         self.compile = compile
         self.lookup = lookup
         self.prune_threshold = prune_threshold
@@ -213,7 +226,7 @@ class DecodingSession:
             out, cached, tokens = speculate(self.model, self.cache, self.cached, new, max_new_tokens, sampler,
                                             self.shape, self.prune_threshold, stops, on_tokens, _Clock(self.device, False),
                                             compile=self.compile, lookup=self.lookup, history=self.ids[: self.cached],
-                                            host_walk=self.host_walk)
+                                            host_walk=self.host_walk, tree_budget=self.tree_budget)
             passes = out.forward_passes
             self.cached = cached
         else:

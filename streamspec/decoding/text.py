@@ -6,20 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import CheckpointError, read_checkpoint_meta, recorded_base
-from .data.build import prompt_ids
-from .decoding import generate
-
-
-def checkpoint_tokenizer(checkpoint: str | Path):
-    """The tokenizer of a streamed checkpoint: its own files when merged, else its base's."""
-    from .assets import load_tokenizer
-
-    meta = read_checkpoint_meta(checkpoint)
-    base = recorded_base(checkpoint, meta)
-    if not base:
-        raise CheckpointError(f"{checkpoint} records no base model, so no tokenizer either; load it with base_model=")
-    return load_tokenizer(base)
+from ..data.build import prompt_ids
+from .generate import generate
 
 
 def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out=None, cpu_kernels: bool = True,
@@ -29,7 +17,7 @@ def generate_text(checkpoint: str | Path, prompt: str, stream: bool = False, out
     in `dtype` (``auto``: bfloat16 on CUDA, float32 on a CPU); with `cpu_kernels`, an fp32 model on
     a CPU runs its linear layers through packed oneDNN kernels (`streamspec.kernels`). Other
     keyword arguments go to `streamspec.decoding.generate`. `out` defaults to the current sys.stdout."""
-    from .loading import load_for_inference
+    from ..loading import load_for_inference
 
     out = out if out is not None else sys.stdout
     loaded = load_for_inference(checkpoint, device=device, dtype=dtype, cpu_kernels=cpu_kernels)

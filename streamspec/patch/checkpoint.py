@@ -15,49 +15,31 @@ architecture or size: a half-random model is never returned.
 
 from __future__ import annotations
 
-import copy
 import json
-import os
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from .config import StreamConfig
+from ..config import StreamConfig
 from .model import StreamedModel, add_streams
-from .stream_modules import remove_stream_modules, stream_modules_taken_out
-from .zero import gathered
+from .stream_modules import stream_modules_taken_out
+from .saving import (
+    CONFIG_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    WEIGHTS_FILE,
+    _CHECKED_FIELDS,
+    CheckpointError,
+    _base_facts,
+    base_fingerprint,
+    save_streamed,
+)
 
-FORMAT = "streamspec-streamed-checkpoint"
-FORMAT_VERSION = 1
-CONFIG_FILE = "stream_config.json"
-WEIGHTS_FILE = "streams.safetensors"
-ADAPTER_DIR = "adapter"
 logger = logging.getLogger(__name__)
-_CHECKED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-
-
-class CheckpointError(ValueError):
-    """A streamed checkpoint is malformed or does not match the model it is loaded into."""
-
-
-def _base_facts(config) -> dict[str, Any]:
-    return {name: getattr(config, name, None) for name in _CHECKED_FIELDS}
-
-
-def base_fingerprint(model: nn.Module) -> list[float]:
-    """A few numbers that tell one base model from another of the same shape: the sums of the
-    first and last 8 rows of its input embedding (which neither LoRA nor streams change), in
-    float64 whatever the model's dtype, so a bf16 copy of the same base still matches."""
-    weight = model.get_input_embeddings().weight
-    with gathered([weight]):  # partitioned under DeepSpeed ZeRO-3
-        rows = torch.cat([weight[:8], weight[-8:]]).detach().to(torch.float64)
-    return [round(float(v), 6) for v in rows.sum(dim=1)]
-
-
 def _same_fingerprint(recorded: list[float], actual: list[float]) -> bool:
     # tolerances that a dtype change (bf16 rounds each weight by <0.4%) passes and another model does not
     scale = max(max(abs(v) for v in recorded), 1e-6)
@@ -78,50 +60,6 @@ def recorded_base(folder: str | Path, meta: dict[str, Any] | None = None) -> str
     if name and relative and not Path(name).exists() and (folder / relative).exists():
         return str((folder / relative).resolve())
     return name
-
-
-def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = False, tokenizer=None) -> Path:
-    """Write `model` as a streamed checkpoint (see the module docstring); returns the folder."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_config = model.config
-    base_ref: dict[str, Any] = {"name_or_path": getattr(hf_config, "_name_or_path", None), **_base_facts(hf_config),
-                                "fingerprint": base_fingerprint(model.hf_model)}
-    revision = getattr(hf_config, "_commit_hash", None)
-    if revision:
-        base_ref["revision"] = revision
-    if base_ref["name_or_path"] and Path(base_ref["name_or_path"]).is_dir():
-        # also relative to the checkpoint, so that a folder moved together with its base still loads
-        base_ref["relative_path"] = os.path.relpath(Path(base_ref["name_or_path"]).resolve(), out.resolve())
-    adapter = None
-    if merge:
-        base = copy.deepcopy(model.base)
-        remove_stream_modules(base)  # saved as the plain transformers model it is
-        if model.has_lora:
-            base = base.merge_and_unload()
-        base.save_pretrained(out)
-        base_ref["name_or_path"] = None  # the base is this folder
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-    elif model.has_lora:
-        with stream_modules_taken_out(model.hf_model):  # peft's own layout: it loads without them
-            model.base.save_pretrained(out / ADAPTER_DIR)
-        adapter = ADAPTER_DIR
-    if not merge and not base_ref["name_or_path"]:
-        logger.warning("the base model has no name or path (built from a config or in memory): the checkpoint holds the "
-                       "streams and adapter only, and loading it needs base_model=")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.streams.state_dict().items()}
-    save_file(state, out / WEIGHTS_FILE, metadata={"format": FORMAT})
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "stream_config": model.stream_config.to_dict(),
-        "base_model": base_ref,
-        "merged": merge,
-        "adapter": adapter,
-    }
-    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return out
 
 
 def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
@@ -156,7 +94,7 @@ def load_streamed(
             same outputs up to float rounding, and no adapter matmuls on every call). The model
             can then no longer be trained or saved as an adapter.
     """
-    from .assets import load_base_model
+    from ..assets import load_base_model
 
     folder = Path(directory)
     meta = read_checkpoint_meta(folder)
@@ -258,10 +196,10 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None,
             default: the one the adapter records (``base_model_name_or_path`` in its
             ``adapter_config.json``), else `streamspec.assets.DEFAULT_MODEL_ID`.
         dtype: the dtype to merge and save in; None or ``auto``: the base's own (its config's
-            ``torch_dtype``, see `streamspec.loading.base_dtype`).
+            ``torch_dtype``, see `streamspec.devices.base_dtype`).
     """
-    from .assets import DEFAULT_MODEL_ID, load_base_model
-    from .loading import dtype_or_base
+    from ..assets import DEFAULT_MODEL_ID, load_base_model
+    from ..devices import dtype_or_base
 
     base = base or _recorded_base(Path(adapter)) or DEFAULT_MODEL_ID
     model = load_base_model(base, dtype=dtype_or_base(dtype, base))
@@ -285,7 +223,7 @@ def _recorded_base(adapter: Path) -> str | None:
 def _tokenizer_if_any(source: str):
     """The tokenizer of `source`, or None (with a warning) for a model folder without one: a merged
     folder written without it still loads as a model."""
-    from .assets import load_tokenizer
+    from ..assets import load_tokenizer
 
     try:
         return load_tokenizer(source)
@@ -298,8 +236,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = Fal
                       dtype: str | torch.dtype | None = None) -> Path:
     """Re-save a training checkpoint (or any streamed checkpoint) as a streamed checkpoint in
     `out`, optionally merged and self-contained, in `dtype` (None or ``auto``: the base's own, see
-    `streamspec.loading.base_dtype`). The result is loaded back and checked."""
-    from .loading import dtype_or_base
+    `streamspec.devices.base_dtype`). The result is loaded back and checked."""
+    from ..devices import dtype_or_base
 
     folder = Path(checkpoint)
     meta = read_checkpoint_meta(folder)
@@ -311,3 +249,47 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = Fal
     target = save_streamed(model, out, merge=merge, tokenizer=tokenizer)
     load_streamed(target, dtype=precision)  # refuse to report success for a folder that does not load
     return target
+
+
+def check_trainable_checkpoint(model: nn.Module, folder: Path) -> None:
+    """Refuse to resume from a DeepSpeed checkpoint whose weights are not exactly the model's
+    trainable ones (missing, unexpected or mis-shaped), as a streamed checkpoint is refused."""
+
+    latest = folder / "latest"
+    if not latest.is_file():
+        raise CheckpointError(f"{folder} holds no DeepSpeed checkpoint ('latest' is missing)")
+    tag = folder / latest.read_text().strip()
+    # ZeRO-0/1/2 write one model-states file, ZeRO-3 one per process (the same names in each)
+    candidates = [tag / "mp_rank_00_model_states.pt", tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+    states = next((c for c in candidates if c.is_file()), None)
+    if states is None:
+        raise CheckpointError(f"{tag} holds no DeepSpeed model states ({candidates[0].name} or {candidates[1].name})")
+    saved = torch.load(states, map_location="cpu", weights_only=False)
+    buffers = set(saved.get("buffer_names") or [])
+    saved_shapes = {}
+    for group in saved.get("param_shapes") or []:  # ZeRO: the true shapes (ZeRO-3 saves empty tensors)
+        saved_shapes.update(group)
+    weights = {k for k in saved["module"] if k not in buffers}
+    expected = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(expected) - weights)
+    unexpected = sorted(weights - set(expected))
+    shapes = sorted(
+        name for name in set(expected) & set(saved_shapes)
+        if tuple(saved_shapes[name]) != tuple(getattr(expected[name], "ds_shape", expected[name].shape))
+    )
+    if missing or unexpected or shapes:
+        raise CheckpointError(
+            f"{states} does not hold the model's trainable weights: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}, mis-shaped {shapes[:5]} ({len(missing)}, {len(unexpected)}, {len(shapes)})"
+        )
+
+
+def checkpoint_tokenizer(checkpoint: str | Path):
+    """The tokenizer of a streamed checkpoint: its own files when merged, else its base's."""
+    from ..assets import load_tokenizer
+
+    meta = read_checkpoint_meta(checkpoint)
+    base = recorded_base(checkpoint, meta)
+    if not base:
+        raise CheckpointError(f"{checkpoint} records no base model, so no tokenizer either; load it with base_model=")
+    return load_tokenizer(base)

@@ -13,6 +13,7 @@ prefix length + depth.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -185,3 +186,27 @@ def deepest_path(tree: DraftTree, accepted: torch.Tensor) -> tuple[torch.Tensor,
     levels = torch.arange(tree.depth_limit + 1, device=tree.depth.device)
     at_level = on_path[None, :] & (tree.depth[None, :] == levels[:, None])  # [D+1, N]
     return best, at_level.int().argmax(dim=1)
+
+
+def grow_tree(scores: list[list[float]], budget: int) -> tuple[list[int], list[int], list[int]]:
+    """A draft tree shaped by confidence: from each depth's candidate scores (``scores[d-1][r]``:
+    the log-probability the streams give their rank-r candidate for depth d, best first), grow
+    the tree best-first, always adding the node whose path (root to it) has the highest summed
+    log-probability, until it has `budget` nodes (root included) or none is left. A node holds the
+    candidate of its rank at its depth, as in the fixed shapes, so the tree is a subtree of the
+    full one. Returns parent, depth and rank of each node; parents come before children."""
+    if budget < 1:
+        raise ValueError(f"the tree budget must be >= 1, got {budget}")
+    parent, depth, rank = [-1], [0], [0]
+    frontier = [(-score, 0, r, 0) for r, score in enumerate(scores[0])] if scores else []
+    heapq.heapify(frontier)
+    while frontier and len(parent) < budget:
+        neg, up, r, d = heapq.heappop(frontier)
+        node = len(parent)
+        parent.append(up)
+        depth.append(d + 1)
+        rank.append(r)
+        if d + 1 < len(scores):
+            for child_rank, score in enumerate(scores[d + 1]):
+                heapq.heappush(frontier, (neg - score, node, child_rank, d + 1))
+    return parent, depth, rank

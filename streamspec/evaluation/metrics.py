@@ -55,13 +55,12 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
 
     from pathlib import Path
 
-    from .assets import DEFAULT_MODEL_ID, load_base_model, load_tokenizer
-    from .checkpoint import _recorded_base
+    from ..assets import DEFAULT_MODEL_ID, load_base_model, load_tokenizer
+    from ..patch.checkpoint import _recorded_base
 
     if kind in ("streamed", "speculative"):
-        from .checkpoint import load_streamed
-        from .decoding import generate, generate_autoregressive
-        from .inference import checkpoint_tokenizer
+        from ..patch.checkpoint import checkpoint_tokenizer, load_streamed
+        from ..decoding.generate import generate, generate_autoregressive
 
         tokenizer = checkpoint_tokenizer(path)  # the checkpoint's own (merged folder or its recorded base)
         model = load_streamed(path, merge_lora=True)
@@ -101,7 +100,7 @@ def evaluate_sql(generate, tokenizer, rows: list[dict], max_new_tokens: int = 12
     """Exact match and validity of greedy answers to Spider rows, with a progress bar."""
     from tqdm.auto import tqdm
 
-    from .data.build import prompt_ids
+    from ..data.build import prompt_ids
 
     predictions, exact, valid = [], 0, 0
     for row in tqdm(rows, desc="sql eval", unit="question"):

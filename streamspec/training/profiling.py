@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .assets import load_default_model
-from .config import StreamConfig
-from .model import add_streams
+from ..assets import load_default_model
+from ..config import StreamConfig
+from ..patch.model import add_streams
 
 VARIANTS = ("plain", "streams")
 
@@ -71,9 +71,9 @@ def train_step_time_ratio(steps: int = 6, batch: int = 4, seed: int = 0) -> dict
 
     from peft import LoraConfig, get_peft_model
 
-    from .assets import load_default_tokenizer
-    from .data.build import PadCollator, tokenize_rows
-    from .data.spider import load_spider
+    from ..assets import load_default_tokenizer
+    from ..data.build import PadCollator, tokenize_rows
+    from ..data.spider import load_spider
 
     torch.manual_seed(seed)
     tokenizer = load_default_tokenizer()

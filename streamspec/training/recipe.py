@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .assets import DEFAULT_MODEL_ID
-from .config import StreamConfig
-from .data.build import OVERFLOW
+from ..assets import DEFAULT_MODEL_ID
+from ..config import StreamConfig
+from ..data.build import OVERFLOW
+from ..config import _build
 
 TASKS = ("sql", "summarize", "gsm8k_solutions", "custom")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -226,63 +225,6 @@ def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
             raise ValueError(f"{source}: section {name!r} must be a mapping")
         sections[name] = _build(cls, values, name, source)
     return Recipe(**sections)
-
-
-def _build(cls, values: dict[str, Any], section: str, source: str):
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {[f'{section}.{k}' for k in unknown]}; allowed: {names}")
-    values = {key: _coerce(value, hints[key]) for key, value in values.items()}
-    for key, value in values.items():
-        if not _matches(value, hints[key]):
-            raise ValueError(f"{source}: {section}.{key} must be {_type_name(hints[key])}, got {value!r}")
-    try:
-        return cls(**values)
-    except ValueError as err:
-        raise ValueError(f"{source}: [{section}] {err}") from err
-
-
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _coerce(value: Any, hint: Any) -> Any:
-    """YAML 1.1 reads "1e-4" (no dot) as a string; take it as the number it is where one is expected."""
-    if isinstance(value, str) and _matches(1.0, hint) and _NUMBER.fullmatch(value.strip()):
-        return float(value)
-    return value
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin is list:
-        (inner,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, inner) for v in value)
-    return True
-
-
-def _type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return "null"
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(hint)[0])}"
-    return getattr(hint, "__name__", str(hint))
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import DraftTree, tree_lists
+from .tree import DraftTree, grow_tree, tree_lists
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,14 @@ class StreamTreeOnHost:
 
     @classmethod
     def of(cls, shape: tuple[int, ...]) -> "StreamTreeOnHost":
-        """The full tree of a shape (`streamspec.tree.build_tree`'s nodes, in its order)."""
+        """The full tree of a shape (`streamspec.decoding.tree.build_tree`'s nodes, in its order)."""
         parent, depth, rank = tree_lists(shape)
+        return cls(tuple(parent), tuple(depth), tuple(rank))
+
+    @classmethod
+    def grown(cls, scores: list[list[float]], budget: int) -> "StreamTreeOnHost":
+        """The tree `grow_tree` grows from the candidates' scores within `budget` nodes."""
+        parent, depth, rank = grow_tree(scores, budget)
         return cls(tuple(parent), tuple(depth), tuple(rank))
 
     def tokens(self, root: int, candidates: list[list[int]]) -> list[int]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .kernels import PackedLinear
+from ..kernels import PackedLinear
 from .zero import gathered, is_partitioned
 
 

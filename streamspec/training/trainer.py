@@ -24,19 +24,19 @@ import torch
 import yaml
 from transformers import Trainer, TrainingArguments, set_seed
 
-from .arch import arch_spec
-from .assets import load_base_model, load_tokenizer
-from .checkpoint import ADAPTER_DIR, WEIGHTS_FILE, load_adapter_weights, load_stream_weights, read_checkpoint_meta
-from .data.aclsum import load_aclsum
-from .data.build import PadCollator, load_rows, log_stats, tokenize_rows
-from .data.reasoning import load_gsm8k_solutions
-from .data.spider import load_spider
-from .model import StreamedModel, add_streams
+from ..arch import arch_spec
+from ..assets import load_base_model, load_tokenizer
+from ..patch.checkpoint import check_trainable_checkpoint, load_adapter_weights, load_stream_weights, read_checkpoint_meta
+from ..patch.saving import ADAPTER_DIR, WEIGHTS_FILE
+from ..data.aclsum import load_aclsum
+from ..data.build import PadCollator, load_rows, log_stats, tokenize_rows
+from ..data.reasoning import load_gsm8k_solutions
+from ..data.spider import load_spider
+from ..patch.model import StreamedModel, add_streams
 from .recipe import Recipe
-from .zero import (  # noqa: F401  (check_deepspeed_config: part of this module's API)
+from ..patch.zero import (  # noqa: F401  (check_deepspeed_config: part of this module's API)
     check_deepspeed_config,
     check_partitioned,
-    check_trainable_checkpoint,
     gathered,
     init_deepspeed_comm,
     save_trainable,

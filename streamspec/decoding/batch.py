@@ -17,8 +17,8 @@ import time
 import torch
 
 from .cache import RowCache
-from .decoding import _within_limits, read_to_host
-from .layout import causal, last_real_positions, main_allowed, position_ids_from_mask, row_allowed
+from .output import _within_limits, read_to_host
+from ..patch.layout import causal, last_real_positions, main_allowed, position_ids_from_mask, row_allowed
 
 
 @torch.no_grad()

@@ -1,0 +1,66 @@
+"""What a decoding call returns (`GenerateOutput`) and the host's side of a pass: the one read
+from the device per pass (`read_to_host`), the stop tokens and where the kept tokens end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def read_to_host(values: torch.Tensor) -> list:
+    """The decoding loops' one read from the device per pass (as a list): what was accepted and
+    whether to stop. Every other step of a pass stays on the device; tests count these reads."""
+    return values.tolist()
+
+
+def _stop_set(eos_token_id) -> set[int]:
+    return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+
+
+@dataclass
+class GenerateOutput:
+    """Generated tokens and what it took.
+
+    Attributes:
+        tokens: [1, n] the new tokens (EOS included when it ended the text).
+        forward_passes: model calls, prefill included.
+        accepted_per_pass: tokens each call added (prefill: 1).
+        nodes_per_pass: draft-tree nodes before and after pruning, per call after prefill.
+        seconds_per_pass: wall time of each call, prefill included.
+        lengths: for a batch, the number of real tokens of each row of `tokens`.
+        forward_seconds_per_pass / head_seconds_per_pass: of each call's time, the part in the
+            transformer layers and the part in the LM head and early-exit head (speculative decoding
+            of one sequence, or one token per pass; on an accelerator only with ``profile=True``).
+            The rest is `overhead_seconds_per_pass`.
+    """
+
+    tokens: torch.Tensor
+    forward_passes: int
+    accepted_per_pass: list[int] = field(default_factory=list)
+    nodes_per_pass: list[tuple[int, int]] = field(default_factory=list)
+    seconds_per_pass: list[float] = field(default_factory=list)
+    lengths: list[int] | None = None
+    forward_seconds_per_pass: list[float] = field(default_factory=list)
+    head_seconds_per_pass: list[float] = field(default_factory=list)
+
+    @property
+    def overhead_seconds_per_pass(self) -> list[float]:
+        """Per call, the time outside the transformer layers and the LM/early-exit heads: tree
+        building, masks, verification bookkeeping, cache moves."""
+        return [max(t - f - h, 0.0) for t, f, h in zip(self.seconds_per_pass, self.forward_seconds_per_pass,
+                                                         self.head_seconds_per_pass)]
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens.shape[1] / max(self.forward_passes, 1)
+
+
+def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[int]) -> list[int]:
+    """The part of `new` that the output keeps: up to max_new_tokens in all, and through the first
+    stop token."""
+    new = new[: max(max_new_tokens - before, 0)]
+    for i, token in enumerate(new):
+        if token in stop:
+            return new[: i + 1]
+    return new

@@ -1,0 +1,139 @@
+"""The package's structure, as the README's layout table states it: no import cycles (lazy
+imports inside functions included, and importing ``a.b.c`` counts as importing ``a`` and ``a.b``),
+and each room depends only on rooms below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "streamspec"
+
+# Rooms from the bottom up; a module may import its own room (within one package) and those below.
+ROOMS = [
+    ("foundation", ["streamspec.config", "streamspec.arch", "streamspec.assets", "streamspec.devices",
+                    "streamspec.kernels"]),
+    ("data", ["streamspec.data"]),
+    ("patch", ["streamspec.patch"]),
+    ("loading", ["streamspec.loading"]),
+    ("decoding", ["streamspec.decoding"]),
+    ("uses", ["streamspec.training", "streamspec.evaluation", "streamspec.serving", "streamspec.reason"]),
+    ("top", ["streamspec.demo", "streamspec.cli", "streamspec"]),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _type_checking_only(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports(name: str) -> set[str]:
+    """Every streamspec module `name` imports (at the top or inside functions; not under
+    ``if TYPE_CHECKING``), with the packages each import runs on the way."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            targets = [target] + [f"{target}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        if _type_checking_only(node, parents):
+            continue
+        for target in targets:
+            if target in MODULES:
+                parts = target.split(".")
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    found.discard(name)
+    # a module's own packages run before it: not a dependency of its own
+    found -= {".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")))}
+    return {m for m in found if m in MODULES}
+
+
+def room_of(name: str) -> int:
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(ROOMS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), i
+    assert level is not None, f"{name} is in no room: add it to ROOMS (and to the README's layout table)"
+    return level
+
+
+def test_every_module_is_in_a_room():
+    for name in MODULES:
+        room_of(name)
+
+
+def test_no_import_cycles():
+    graph = {name: imports(name) for name in MODULES}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_rooms_depend_only_on_rooms_below():
+    wrong = []
+    for name in MODULES:
+        own = room_of(name)
+        for target in imports(name):
+            other = room_of(target)
+            same_package = target.split(".")[:2] == name.split(".")[:2]
+            if other > own or (other == own and ROOMS[own][0] == "uses" and not same_package):
+                wrong.append(f"{name} ({ROOMS[own][0]}) imports {target} ({ROOMS[other][0]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_readme_layout_names_every_room():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    for _, prefixes in ROOMS:
+        for prefix in prefixes:
+            if prefix != "streamspec":
+                shown = prefix.replace(".", "/")
+                assert shown in layout, f"the README's layout table does not name {shown}"
+
+
+def test_the_slow_tier_names_tests_that_exist():
+    """A renamed test must not drop out of the slow tier unnoticed."""
+    from conftest import SLOW_MODULES, SLOW_TESTS
+
+    tests = ROOT / "tests"
+    for module in SLOW_MODULES:
+        assert (tests / f"{module}.py").is_file(), module
+    sources = "\n".join(p.read_text() for p in tests.glob("test_*.py"))
+    for name in SLOW_TESTS:
+        assert f"def {name}(" in sources, name
