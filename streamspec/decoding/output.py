@@ -9,8 +9,9 @@ import torch
 
 
 def read_to_host(values: torch.Tensor) -> list:
-    """The decoding loops' one read from the device per pass (as a list): what was accepted and
-    whether to stop. Every other step of a pass stays on the device; tests count these reads."""
+    """A read from the device (as a list). The device step makes one per pass (what was accepted,
+    whether to stop); the host walk (`verify="host"`) reads at each node it visits. Tests count
+    the reads."""
     return values.tolist()
 
 
