@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --checkpoint)")
     srv.add_argument("--tree-top-k", type=tree_arg, default=3, help="candidates per stream, or per depth: 3,1,1")
     srv.add_argument("--prune-threshold", type=float, default=None)
+    srv.add_argument("--lookup", type=lookup_arg, default=None, metavar="L,M[,N]",
+                     help="prompt-lookup branches in each draft tree (see streamspec generate --lookup)")
+    srv.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                     help="grow each draft tree by confidence up to N nodes (see streamspec generate --tree-budget)")
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="the most tokens (prompt + completion) a request may use (default: the model's context)")
     srv.add_argument("--default-kernels", action="store_true", help="torch's default CPU linear kernels")
@@ -225,7 +229,8 @@ def _run(args) -> int:
         serve(args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold, max_model_len=args.max_model_len,
               served_model_name=args.served_model_name, gguf_file=args.gguf_file,
-              cpu_kernels=not args.default_kernels, log_level=args.log_level)
+              cpu_kernels=not args.default_kernels, log_level=args.log_level, lookup=args.lookup,
+              tree_budget=args.tree_budget)
     elif args.command in ("reason", "reason-eval"):
         from .reason.cli import dispatch
 

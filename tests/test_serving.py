@@ -377,3 +377,10 @@ def test_serve_command(checkpoint, monkeypatch):
     metrics = seen["metrics"]
     assert metrics["dtype"] == "bfloat16" and metrics["tree_top_k"] == [3, 1, 1] and metrics["max_model_len"] == 512
     assert seen["reply"].usage.completion_tokens == 8 and seen["reply"].streamspec["speculative"]
+    # the lookup branches and confidence trees reach the engine, and decode the same greedy text (fp32)
+    assert main(["serve", "--checkpoint", str(checkpoint), "--port", "8125"]) == 0
+    reference = seen["reply"].choices[0].text
+    assert main(["serve", "--checkpoint", str(checkpoint), "--lookup", "4,2", "--tree-budget", "5", "--port", "8126"]) == 0
+    assert seen["metrics"]["lookup"] == [4, 2, 3] and seen["metrics"]["tree_budget"] == 5
+    assert seen["reply"].choices[0].text == reference
+    assert main(["serve", "--checkpoint", str(checkpoint), "--lookup", "4,2", "--prune-threshold", "0.1"]) == 2  # refused

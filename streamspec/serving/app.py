@@ -40,10 +40,12 @@ _DONE = object()
 
 
 def create_app(loaded: LoadedModel, *, served_model_name: str | None = None, tree_top_k: int | tuple[int, ...] = 3,
-               prune_threshold: float | None = None, max_model_len: int | None = None) -> FastAPI:
+               prune_threshold: float | None = None, max_model_len: int | None = None, lookup=None,
+               tree_budget: int | None = None) -> FastAPI:
     """The app serving `loaded` (see `streamspec.loading.load_for_inference`) under the name
     `served_model_name` (default: its source)."""
-    engine = Engine(loaded, tree_top_k=tree_top_k, prune_threshold=prune_threshold, max_model_len=max_model_len)
+    engine = Engine(loaded, tree_top_k=tree_top_k, prune_threshold=prune_threshold, max_model_len=max_model_len,
+                    lookup=lookup, tree_budget=tree_budget)
     name = served_model_name or loaded.source
     app = FastAPI(title="streamspec serve", description="OpenAI-compatible speculative-streaming server")
     app.state.engine = engine
@@ -90,7 +92,8 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None, tre
         config = {"model": name, "streamed": engine.streamed, "device": str(loaded.device),
                   "dtype": dtype_name(loaded.dtype), "max_model_len": engine.max_model_len}
         if engine.streamed:
-            config.update(tree_top_k=tree_top_k, prune_threshold=prune_threshold,
+            config.update(tree_top_k=tree_top_k, prune_threshold=prune_threshold, tree_budget=tree_budget,
+                          lookup=None if lookup is None else [lookup.tokens, lookup.matches, lookup.ngram],
                           num_streams=engine.model.stream_config.num_streams)
         return {**config, **engine.metrics.snapshot()}
 

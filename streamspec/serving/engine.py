@@ -233,22 +233,28 @@ class Engine:
     cache per request and a CPU has no cores to spare for two), each in the caller's thread.
 
     Args:
-        tree_top_k / prune_threshold: the draft tree of a streamed model (see
-            `streamspec.decoding.generate`).
+        tree_top_k / prune_threshold / lookup / tree_budget: the draft tree of a streamed model
+            (see `streamspec.decoding.generate`), checked at start-up.
         max_model_len: the most tokens (prompt + completion) a request may use; default, and at
             most, the model's positions (less the γ stream positions after the last token of a
             streamed model).
     """
 
     def __init__(self, loaded: LoadedModel, tree_top_k: int | tuple[int, ...] = 3, prune_threshold: float | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, lookup=None, tree_budget: int | None = None) -> None:
         self.loaded = loaded
         self.model, self.tokenizer, self.streamed = loaded.model, loaded.tokenizer, loaded.streamed
         self.tree_top_k, self.prune_threshold = tree_top_k, prune_threshold
+        self.lookup, self.tree_budget = lookup, tree_budget
         if self.streamed:
+            from ..decoding.generate import _check_budget, _check_lookup
             from ..decoding.tree import tree_shape
 
             tree_shape(tree_top_k, self.model.stream_config.num_streams)  # a bad tree fails at start-up
+            _check_lookup(lookup, False, True, prune_threshold, None)
+            _check_budget(tree_budget, False, True, prune_threshold, None)
+        elif lookup is not None or tree_budget is not None:
+            raise ValueError("lookup and tree_budget shape a streamed model's draft tree; this model has no streams")
         extra = self.model.stream_config.num_streams if self.streamed else 0
         limit = loaded.max_length - extra if loaded.max_length else None
         if max_model_len is not None and limit is not None and max_model_len > limit:
@@ -354,7 +360,8 @@ class Engine:
             ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
             out = generate(self.model, ids, job.max_tokens, temperature=job.temperature, top_p=job.top_p,
                            top_k=job.top_k, seed=job.seed, tree_top_k=self.tree_top_k,
-                           prune_threshold=self.prune_threshold, eos_token_id=self.eos, on_tokens=on_tokens)
+                           prune_threshold=self.prune_threshold, lookup=self.lookup, tree_budget=self.tree_budget,
+                           eos_token_id=self.eos, on_tokens=on_tokens)
             passes, generated, accepted = out.forward_passes, out.tokens.shape[1], out.accepted_per_pass
         else:
             from ..decoding.session import DecodingSession
