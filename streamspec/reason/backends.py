@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import time
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
@@ -264,8 +265,11 @@ class LocalBackend(Backend):
     def _sampler_for(self, sampling: Sampling) -> Sampler:
         key = (sampling.temperature, sampling.top_p, sampling.seed)
         if self._sampler is None or key != self._sampler_key:
-            # one generator per problem: the draws of a run follow from the seed
-            self._sampler = Sampler(sampling.temperature, sampling.top_p, seed=sampling.seed, device=self.session.device)
+            # one generator per problem: the draws of a run follow from the seed. Draws are keyed by
+            # token index (streamspec.decoding.Sampler), so each backend mixes its name into the
+            # seed: a base rewriting a drafter's step must not reuse the drafter's numbers.
+            seed = None if sampling.seed is None else sampling.seed ^ (zlib.crc32(self.name.encode()) << 31)
+            self._sampler = Sampler(sampling.temperature, sampling.top_p, seed=seed, device=self.session.device)
             self._sampler_key = key
         return self._sampler
 
