@@ -20,10 +20,9 @@ from streamspec.decoding.lookup import (
     merge_branches,
     pick_branches,
     recent_occurrences,
-    tree_from_parents,
 )
 from streamspec.decoding.session import DecodingSession
-from streamspec.decoding.tree import build_tree
+from streamspec.decoding.tree import build_tree, tree_from_parents
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

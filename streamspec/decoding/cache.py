@@ -144,6 +144,7 @@ class RowCache(MainStreamCache):
         super().__init__(num_layers, capacity)
         self.row_lengths: torch.Tensor | None = None
         self.width = 0
+        self._at: dict[int, torch.Tensor] = {}  # this pass's write positions by entry count (every layer's)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         batch, heads, new, dim = key_states.shape
@@ -152,8 +153,9 @@ class RowCache(MainStreamCache):
         keys, values = self._keys[layer_idx], self._values[layer_idx]
         if self.row_lengths is None:
             self.row_lengths = torch.zeros(batch, dtype=torch.long, device=key_states.device)
-        at = (self.row_lengths[:, None] + torch.arange(main, device=key_states.device))[:, None, :, None]
-        at = at.expand(batch, heads, main, dim)
+        if main not in self._at:
+            self._at[main] = (self.row_lengths[:, None] + torch.arange(main, device=key_states.device))[:, None, :, None]
+        at = self._at[main].expand(batch, heads, main, dim)
         keys.scatter_(-2, at, key_states[..., :main, :])
         values.scatter_(-2, at, value_states[..., :main, :])
         region = self.width + main
@@ -164,5 +166,6 @@ class RowCache(MainStreamCache):
         """Each row stores `accepted` [B] (device) more of the entries it just wrote; `width` is
         the longest row's length afterwards (the host knows it from the accepted counts)."""
         self.row_lengths = self.row_lengths + accepted
+        self._at.clear()
         self.width = width
         self._length = [width if k is not None else 0 for k in self._keys]

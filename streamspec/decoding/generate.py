@@ -19,8 +19,17 @@ import torch
 from .cache import MainStreamCache, StaticCacheView
 from ..patch.layout import causal, main_allowed
 from ..patch.model import StreamedModel
-from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost, children_of, tree_from_parents
-from .tree import DraftTree, accepted_nodes, build_tree, deepest_path, prune_by_transition, tree_shape
+from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost
+from .tree import (
+    DraftTree,
+    accepted_nodes,
+    build_tree,
+    children_of,
+    deepest_path,
+    prune_by_transition,
+    tree_from_parents,
+    tree_shape,
+)
 from .output import GenerateOutput, _stop_set, _within_limits, read_to_host
 
 
@@ -186,6 +195,12 @@ def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, pro
 @lru_cache(maxsize=16)
 def _tree(shape: tuple[int, ...]) -> DraftTree:
     return build_tree(shape, len(shape))
+
+
+@lru_cache(maxsize=16)
+def _children(shape: tuple[int, ...]) -> list[list[int]]:
+    """The children of each node of a shape's tree (read only: shared by every call)."""
+    return _tree(shape).children()
 
 
 @lru_cache(maxsize=16)
@@ -441,7 +456,7 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
         return _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler,
                                    tree, width, stop, on_tokens, clock, backend, out, new_ids)
     step_tree = tree
-    full_children = _tree(shape).children() if host_walk else None
+    full_children = _children(shape) if host_walk else None
     children = full_children
     while len(generated) < max_new_tokens and not ended:
         start = clock()

@@ -22,9 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
-
-from .tree import DraftTree, grow_tree, tree_lists
+from .tree import grow_tree, tree_lists
 
 
 @dataclass(frozen=True)
@@ -182,32 +180,3 @@ class StreamTreeOnHost:
                       budget: int | None = None) -> tuple[list[int], list[int]]:
         """The merged tree's parents and tokens (`merge_branches`)."""
         return merge_branches(list(self.parent), self.tokens(root, candidates), branches, budget)
-
-
-def children_of(parent: list[int]) -> list[list[int]]:
-    """Each node's children, from each node's parent (-1 for the root)."""
-    children: list[list[int]] = [[] for _ in parent]
-    for node, up in enumerate(parent):
-        if up >= 0:
-            children[up].append(node)
-    return children
-
-
-def tree_from_parents(parent: list[int], depth_limit: int, top_k: tuple[int, ...]) -> DraftTree:
-    """A `DraftTree` (on the CPU) from each node's parent (parents before children)."""
-    n = len(parent)
-    depth = [0] * n
-    ancestors = torch.zeros(n, n, dtype=torch.bool)
-    for node in range(n):
-        ancestors[node, node] = True
-        if parent[node] >= 0:
-            depth[node] = depth[parent[node]] + 1
-            ancestors[node] |= ancestors[parent[node]]
-    return DraftTree(
-        top_k=top_k,
-        depth_limit=max(max(depth), depth_limit),
-        parent=torch.tensor([-1] + parent[1:]),
-        depth=torch.tensor(depth),
-        rank=torch.zeros(n, dtype=torch.long),
-        ancestors=ancestors,
-    )

@@ -8,7 +8,9 @@ token and one below each (10 nodes). Nodes are numbered breadth first (the root 
 parent always comes before its children.
 
 A node attends to the cached prefix and to its ancestors (itself included); its position id is
-prefix length + depth.
+prefix length + depth. Trees built on the host for one pass (confidence-shaped ones, `grow_tree`;
+with lookup branches, `streamspec.decoding.lookup`) become `DraftTree`s through
+`tree_from_parents`; they need not be breadth first, only parents before children.
 """
 
 from __future__ import annotations
@@ -62,11 +64,7 @@ class DraftTree:
 
     def children(self) -> list[list[int]]:
         """The children of each node, as Python lists (for walking the tree on the host)."""
-        out: list[list[int]] = [[] for _ in range(self.size)]
-        for node, parent in enumerate(self.parent.tolist()):
-            if parent >= 0:
-                out[parent].append(node)
-        return out
+        return children_of(self.parent.tolist())
 
     def subset(self, keep: torch.Tensor) -> "DraftTree":
         """The tree restricted to the nodes in `keep` (sorted; must be closed under parents)."""
@@ -210,3 +208,34 @@ def grow_tree(scores: list[list[float]], budget: int) -> tuple[list[int], list[i
             for child_rank, score in enumerate(scores[d + 1]):
                 heapq.heappush(frontier, (neg - score, node, child_rank, d + 1))
     return parent, depth, rank
+
+
+def children_of(parent: list[int]) -> list[list[int]]:
+    """Each node's children, from each node's parent (-1 for the root)."""
+    children: list[list[int]] = [[] for _ in parent]
+    for node, up in enumerate(parent):
+        if up >= 0:
+            children[up].append(node)
+    return children
+
+
+def tree_from_parents(parent: list[int], depth_limit: int, top_k: tuple[int, ...]) -> DraftTree:
+    """A `DraftTree` (on the CPU) from each node's parent (parents before children)."""
+    n = len(parent)
+    depth = [0] * n
+    rows: list[list[bool]] = []  # built as lists and made a tensor once: this runs every pass
+    for node in range(n):
+        up = parent[node]
+        row = list(rows[up]) if up >= 0 else [False] * n
+        row[node] = True
+        if up >= 0:
+            depth[node] = depth[up] + 1
+        rows.append(row)
+    return DraftTree(
+        top_k=top_k,
+        depth_limit=max(max(depth), depth_limit),
+        parent=torch.tensor([-1] + parent[1:]),
+        depth=torch.tensor(depth),
+        rank=torch.zeros(n, dtype=torch.long),
+        ancestors=torch.tensor(rows, dtype=torch.bool).view(n, n),
+    )
