@@ -104,6 +104,25 @@ def main(argv: list[str] | None = None) -> int:
                        help="the base the adapter was trained on (default: the adapter's base_model_name_or_path, "
                             "else the default model)")
     add_device_args(merge, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
+    dist = sub.add_parser("distill", help="build a self-distilled set: the model's own completions of a task's prompts")
+    dist.add_argument("--model", default="streamspec:SmolLM2-135M-Instruct",
+                      help="the model whose outputs the set holds (a folder, hub id or the default model)")
+    dist.add_argument("--task", default="sql", choices=["sql", "summarize", "gsm8k_solutions"])
+    dist.add_argument("--sources", nargs="+", default=["train"],
+                      help="train, validation, unused_databases (SQL: Spider schemas no split uses)")
+    dist.add_argument("--questions-per-database", type=int, default=4, help="template questions per unused schema")
+    dist.add_argument("--samples", type=int, default=1, help="completions per prompt (>1 needs --temperature)")
+    dist.add_argument("--temperature", type=float, default=0.0)
+    dist.add_argument("--max-new-tokens", type=int, default=160)
+    dist.add_argument("--max-prompt-tokens", type=int, default=None,
+                      help="skip longer prompts (keep within the recipe's data.max_length)")
+    dist.add_argument("--batch-size", type=int, default=8)
+    dist.add_argument("--seed", type=int, default=0)
+    dist.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    dist.add_argument("--decoder", default=None,
+                      help="a streamed checkpoint (lossless streams on --model) to decode faster with")
+    dist.add_argument("--out", default=None, help="the JSONL to write (default: the cache, as a recipe's data.distill finds it)")
+    add_device_args(dist)
     gen = sub.add_parser("generate", help="decode a prompt with speculative streaming")
     gen.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
     gen.add_argument("--prompt", required=True, help="the user message (the chat template is applied when there is one)")
@@ -204,6 +223,16 @@ def _run(args) -> int:
         from .patch.checkpoint import merge_adapter
 
         print(merge_adapter(args.adapter, args.out, base=args.base, dtype=args.dtype))
+    elif args.command == "distill":
+        from .data.distill import DistillArgs
+        from .training.distill import build_distilled_set
+
+        settings = DistillArgs(enabled=True, sources=args.sources, questions_per_database=args.questions_per_database,
+                               samples=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                               max_prompt_tokens=args.max_prompt_tokens,
+                               batch_size=args.batch_size, seed=args.seed, decoder=args.decoder)
+        print(build_distilled_set(args.model, args.task, settings, out=args.out, limit=args.limit,
+                                  device=args.device, dtype=args.dtype))
     elif args.command == "generate":
         from .decoding.text import generate_text
 

@@ -140,6 +140,9 @@ def _build(cls, values: dict[str, Any], section: str, source: str):
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {[f'{section}.{k}' for k in unknown]}; allowed: {names}")
     values = {key: _coerce(value, hints[key]) for key, value in values.items()}
+    for key, value in values.items():  # a nested section (e.g. data.distill) from its mapping
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            values[key] = _build(hints[key], value, f"{section}.{key}", source)
     for key, value in values.items():
         if not _matches(value, hints[key]):
             raise ValueError(f"{source}: {section}.{key} must be {_type_name(hints[key])}, got {value!r}")
@@ -160,6 +163,8 @@ def _coerce(value: Any, hint: Any) -> Any:
 
 
 def _matches(value: Any, hint: Any) -> bool:
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, h) for h in typing.get_args(hint))

@@ -35,7 +35,8 @@ class LoadedModel:
     """A model ready to decode, and what it is.
 
     Attributes:
-        model: a `StreamedModel` (``streamed``) or a transformers causal LM, in eval mode.
+        model: a `StreamedModel` or a `streamspec.patch.medusa.MedusaModel` (``streamed``: it
+            decodes through the tree verifier) or a transformers causal LM, in eval mode.
         tokenizer: its tokenizer (with the chat template when the model has one).
         streamed: whether `model` carries speculative streams (decode it with
             `streamspec.decoding.generate`).
@@ -75,7 +76,8 @@ def load_for_inference(
     """Load `source` for decoding.
 
     Args:
-        source: a streamed checkpoint folder (``stream_config.json``), or any causal LM: a local
+        source: a streamed checkpoint folder (``stream_config.json``), a Medusa checkpoint folder
+            (``medusa_config.json``, `streamspec.patch.medusa`), or any causal LM: a local
             folder, a hub id, `streamspec.assets.DEFAULT_MODEL_ID`, a folder with ``gguf_file``,
             or the path of a ``.gguf`` file.
         device / dtype: see `resolve_device` / `resolve_dtype` (both ``auto`` by default).
@@ -102,7 +104,16 @@ def load_for_inference(
     if gguf_file is not None and not (path / gguf_file).is_file():
         raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path}")
 
-    if local and is_streamed_checkpoint(path):
+    if local and (path / "medusa_config.json").is_file():
+        from .assets import load_tokenizer
+        from .patch.medusa import load_medusa, medusa_base
+
+        base = _causal_lm(medusa_base(path), precision, device_map, None) if device_map is not None else None
+        model = load_medusa(path, base_model=base, dtype=precision)
+        tokenizer = load_tokenizer(medusa_base(path))
+        streamed = True
+        name = str(path)
+    elif local and is_streamed_checkpoint(path):
         from .patch.checkpoint import checkpoint_tokenizer, load_streamed, read_checkpoint_meta, recorded_base
 
         base = None

@@ -18,6 +18,7 @@ import torch
 
 from .cache import MainStreamCache, StaticCacheView
 from ..patch.layout import causal, main_allowed
+from ..patch.decoder import DecoderParts
 from ..patch.model import StreamedModel
 from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost
 from .tree import (
@@ -705,8 +706,11 @@ class _Clock:
 def _check_generate_args(
     model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative, caller="generate"
 ) -> None:
-    if not isinstance(model, StreamedModel):
-        raise TypeError(f"{caller} needs a StreamedModel (see add_streams), got {type(model).__name__}")
+    if not isinstance(model, DecoderParts):
+        raise TypeError(f"{caller} needs a StreamedModel (see add_streams) or a MedusaModel (add_medusa_heads), "
+                        f"got {type(model).__name__}")
+    if prune_threshold is not None and not isinstance(model, StreamedModel):
+        raise ValueError(f"prune_threshold needs streams (their early-exit estimator); {type(model).__name__} has none")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got {shape}")

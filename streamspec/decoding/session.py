@@ -33,7 +33,7 @@ from .generate import (
 )
 from .lookup import PromptLookup
 from ..patch.layout import causal, main_allowed
-from ..patch.model import StreamedModel
+from ..patch.decoder import DecoderParts
 from .tree import tree_shape
 
 
@@ -93,7 +93,7 @@ class DecodingSession:
                  prune_threshold: float | None = None, compile: bool | str = False,
                  lookup: PromptLookup | None = None, verify: str = "auto", tree_budget: int | None = None) -> None:
         self.model = model
-        self.streamed = isinstance(model, StreamedModel)
+        self.streamed = isinstance(model, DecoderParts)  # streams or Medusa heads: the tree verifier
         if not self.streamed and not hasattr(model, "config"):
             raise TypeError(f"DecodingSession needs a StreamedModel or a transformers causal LM, got {type(model).__name__}")
         if self.streamed:

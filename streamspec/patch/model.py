@@ -46,6 +46,7 @@ from .stream_modules import (
     replace_submodule,
 )
 from .saving import save_streamed
+from .decoder import DecoderParts, _is_peft
 from .objective import loss_terms, total_loss
 from .parameters import StreamAdapters, StreamParameters, _adapter_target, linear_targets
 
@@ -78,11 +79,7 @@ class StreamedOutput(ModelOutput):
 _LOSSLESS_NO_LORA = "mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter"
 
 
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
-
-
-class StreamedModel(nn.Module):
+class StreamedModel(DecoderParts):
     """A causal LM with speculative streams in its top `stream_layers` layers. Build with
     `add_streams`."""
 
@@ -114,34 +111,12 @@ class StreamedModel(nn.Module):
 
     # -- the model's own modules ----------------------------------------------------------------
     @property
-    def hf_model(self) -> nn.Module:
-        """The transformers causal-LM model (inside the peft wrapper when there is one)."""
-        return self.base.get_base_model() if _is_peft(self.base) else self.base
-
-    @property
-    def decoder(self) -> nn.Module:
-        return getattr(self.hf_model, self.arch.decoder)
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return getattr(self.decoder, self.arch.layers)
-
-    @property
     def num_lower_layers(self) -> int:
         return len(self.layers) - self.stream_config.stream_layers
 
     @property
-    def config(self):
-        return self.hf_model.config
-
-    @property
     def has_lora(self) -> bool:
         return _is_peft(self.base)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head: hidden states -> logits."""
-        norm = getattr(self.decoder, self.arch.norm)
-        return self.hf_model.get_output_embeddings()(norm(hidden))
 
     def early_exit_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Early-exit logits from hidden states at the input of layer N−Ns.
@@ -216,34 +191,6 @@ class StreamedModel(nn.Module):
         return sum(p.numel() for p in self.streams.parameters())
 
     # -- forward pieces (shared by training and decoding) ---------------------------------------
-    def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache, **kwargs):
-        extra = {"position_ids": position_ids, "position_embeddings": position_embeddings} if self.arch.rotary else {}
-        out = layer(hidden, attention_mask=bias, cache=cache, **extra, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
-
-    def _rotary(self, hidden, position_ids):
-        if self.arch.rotary is None:
-            return None
-        return getattr(self.decoder, self.arch.rotary)(hidden, position_ids)
-
-    def run_lower(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        main_ok: torch.Tensor,
-        cache: MainStreamCache | None = None,
-    ) -> torch.Tensor:
-        """Embeddings and the lower N−Ns layers over main positions: hidden states at the input
-        of layer N−Ns, [B, T, h]."""
-        hidden = self.arch.embed(self.decoder, input_ids, position_ids)
-        bias = to_bias(main_ok, hidden.dtype)
-        rotary = self._rotary(hidden, position_ids)
-        if cache is not None:
-            cache.main_length = None
-        for layer in self.layers[: self.num_lower_layers]:
-            hidden = self._call_layer(layer, hidden, bias, position_ids, rotary, cache)
-        return hidden
-
     def run_upper(
         self,
         hidden: torch.Tensor,

@@ -18,6 +18,8 @@ import yaml
 from ..assets import DEFAULT_MODEL_ID
 from ..config import StreamConfig
 from ..data.build import OVERFLOW
+from ..data.distill import DistillArgs
+from ..patch.medusa import MedusaConfig
 from ..config import _build
 
 TASKS = ("sql", "summarize", "gsm8k_solutions", "custom")
@@ -98,6 +100,9 @@ class DataArgs:
     overflow: str = "drop"
     max_train_examples: int | None = None
     max_validation_examples: int | None = None
+    # train on the model's own completions of the task's prompts (lossless streams): see
+    # `streamspec.data.distill`; the set is built (and cached) before training starts
+    distill: DistillArgs = field(default_factory=DistillArgs)
 
     def __post_init__(self) -> None:
         _choice("data.task", self.task, TASKS)
@@ -107,6 +112,8 @@ class DataArgs:
             raise ValueError("data.task 'custom' needs exactly one of data.path or data.dataset")
         if self.task != "custom" and (self.path or self.dataset or self.validation_path):
             raise ValueError(f"data.path / data.validation_path / data.dataset are for data.task 'custom', not {self.task!r}")
+        if self.distill.enabled:
+            self.distill.check_task(self.task)
         if self.validation_path and not self.path:
             raise ValueError("data.validation_path goes with data.path (for a datasets name use data.validation_split)")
 
@@ -175,10 +182,23 @@ class Recipe:
     lora: LoraArgs = field(default_factory=LoraArgs)
     data: DataArgs = field(default_factory=DataArgs)
     training: TrainingArgs = field(default_factory=TrainingArgs)
+    # Medusa heads on the frozen model instead of streams (`streamspec.patch.medusa`): the peer
+    # method, trained on the same data; needs `streams: null` and `lora.enabled: false`
+    medusa: MedusaConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.medusa is not None:
+            if self.streams is not None or self.lora.enabled:
+                raise ValueError("a medusa recipe trains heads on the frozen model: set 'streams: null' and "
+                                 "lora.enabled=false")
+            if self.training.deepspeed:
+                raise ValueError("medusa recipes run without DeepSpeed (the heads are small): remove training.deepspeed")
+            return
         if self.streams is not None and self.streams.mode == "lossless" and self.lora.enabled:
             raise ValueError("streams.mode 'lossless' keeps the base frozen: set lora.enabled=false")
+        if self.data.distill.enabled and (self.streams is None or self.streams.mode != "lossless"):
+            raise ValueError("data.distill trains drafts on the model's own outputs: it needs streams.mode 'lossless' "
+                             "or a medusa section (a fine-tune on its own outputs would learn nothing new)")
         if self.streams is None and not self.lora.enabled:
             raise ValueError("a next-token recipe (streams: null) needs lora.enabled=true: nothing would train")
 
@@ -186,7 +206,9 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"model": ModelArgs, "streams": StreamConfig, "lora": LoraArgs, "data": DataArgs, "training": TrainingArgs}
+_SECTIONS = {"model": ModelArgs, "streams": StreamConfig, "lora": LoraArgs, "data": DataArgs, "training": TrainingArgs,
+             "medusa": MedusaConfig}
+_NULLABLE = ("streams", "medusa")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -206,8 +228,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
                 f"override {item!r}: this recipe has '{section}: null' (next-token training); write a "
                 f"'{section}:' section in the recipe to train with streams"
             )
-        raw.setdefault(section, {})
-        raw[section][name] = yaml.safe_load(value)
+        target = raw.setdefault(section, {})
+        *parents, leaf = name.split(".")  # data.distill.enabled=true: a key of a nested section
+        for parent in parents:
+            target = target.setdefault(parent, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"override {item!r}: {section}.{parent} is not a section")
+        target[leaf] = yaml.safe_load(value)
     return recipe_from_dict(raw, source=str(path))
 
 
@@ -218,7 +245,10 @@ def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         values = raw.get(name, {})
-        if values is None and name == "streams":
+        if name == "medusa" and name not in raw:
+            sections[name] = None  # no Medusa heads unless the recipe has the section
+            continue
+        if values is None and name in _NULLABLE:
             sections[name] = None
             continue
         if not isinstance(values, dict):

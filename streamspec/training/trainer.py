@@ -28,10 +28,9 @@ from ..arch import arch_spec
 from ..assets import load_base_model, load_tokenizer
 from ..patch.checkpoint import check_trainable_checkpoint, load_adapter_weights, load_stream_weights, read_checkpoint_meta
 from ..patch.saving import ADAPTER_DIR, WEIGHTS_FILE
-from ..data.aclsum import load_aclsum
 from ..data.build import PadCollator, load_rows, log_stats, tokenize_rows
-from ..data.reasoning import load_gsm8k_solutions
-from ..data.spider import load_spider
+from ..data.distill import labelled_rows
+from ..patch.medusa import MedusaModel, add_medusa_heads, load_medusa_heads
 from ..patch.model import StreamedModel, add_streams
 from .recipe import Recipe
 from ..patch.zero import (  # noqa: F401  (check_deepspeed_config: part of this module's API)
@@ -73,6 +72,8 @@ def build_model(recipe: Recipe):
             ),
             task_type="CAUSAL_LM",
         )
+    if recipe.medusa is not None:
+        return add_medusa_heads(base, recipe.medusa), tokenizer
     if recipe.streams is None:
         from peft import get_peft_model
 
@@ -101,12 +102,12 @@ def keep_float32_masters(model: StreamedModel) -> None:
 def task_rows(recipe: Recipe, split: str) -> list[dict]:
     """The recipe's rows of one split ("train" or "validation")."""
     data = recipe.data
-    if data.task == "sql":
-        return load_spider(split)
-    if data.task == "summarize":
-        return load_aclsum(split)
-    if data.task == "gsm8k_solutions":
-        return load_gsm8k_solutions(split)
+    if data.distill.enabled:
+        from .distill import distilled_rows
+
+        return distilled_rows(recipe.model.name_or_path, data.task, data.distill, split)
+    if data.task != "custom":
+        return labelled_rows(data.task, split)
     if split != "train" and not data.has_validation:
         return []
     common = dict(prompt_field=data.prompt_field, completion_field=data.completion_field, messages_field=data.messages_field)
@@ -211,10 +212,14 @@ class StreamTrainer(Trainer):
     # -- checkpoints ---------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         model = self.accelerator.unwrap_model(self.model)
-        if not isinstance(model, StreamedModel):
+        if not isinstance(model, (StreamedModel, MedusaModel)):
             return super()._save(output_dir, state_dict)  # the next-token baseline: a peft model
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
+            return
+        if isinstance(model, MedusaModel):  # the heads only: the base is frozen and named
+            model.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
             return
         # A full fine-tune (no LoRA, base trainable) must carry the base weights along.
         merge = not model.has_lora and any(p.requires_grad for p in model.base.parameters())
@@ -223,6 +228,8 @@ class StreamTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = self.accelerator.unwrap_model(model or self.model)
+        if isinstance(model, MedusaModel):
+            return load_medusa_heads(model, resume_from_checkpoint)
         if not isinstance(model, StreamedModel):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_training_checkpoint(model, Path(resume_from_checkpoint))
@@ -299,7 +306,7 @@ def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
 
 def evaluation_counts(model, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Validation sums for one batch; a next-token model has only the ``main`` term."""
-    if isinstance(model, StreamedModel):
+    if isinstance(model, (StreamedModel, MedusaModel)):
         return model.evaluate_counts(batch["input_ids"], batch["attention_mask"], batch["labels"])
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()

@@ -1,0 +1,213 @@
+"""Self-distilled training sets: the model's own completions of many prompts.
+
+Lossless streams are accepted against the model's *own* tokens, so what they should learn is the
+model's continuation of its own text, not the labelled answer. A distilled set pairs prompts with
+the model's completions (greedy, or sampled):
+
+- ``train``: the task's training prompts (the labelled completions are thrown away);
+- ``validation``: the task's validation prompts (for validating on the model's own text);
+- ``unused_databases`` (SQL only): the Spider schemas that no split uses (146 of the 166 in
+  ``tables.json``), with questions written from templates over each schema's tables and columns
+  (`template_questions`).
+
+`streamspec.training.distill.build_distilled_set` decodes them with streamspec's own batch
+decoder and appends each finished batch to a JSONL file; `distilled_set_path` names the cached
+file a recipe's ``data.distill`` section uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SOURCES = {"sql": ("train", "validation", "unused_databases"), "summarize": ("train", "validation"),
+           "gsm8k_solutions": ("train", "validation")}
+META_SUFFIX = ".meta.json"
+
+
+@dataclass
+class DistillArgs:
+    """A recipe's ``data.distill`` section: train on the model's own completions of the task's
+    prompts instead of the labelled ones (lossless streams; see `streamspec.data.distill`)."""
+
+    enabled: bool = False
+    sources: list[str] = field(default_factory=lambda: ["train"])
+    questions_per_database: int = 4  # unused_databases: template questions per schema
+    samples: int = 1  # completions per prompt (>1 needs temperature > 0)
+    temperature: float = 0.0
+    max_new_tokens: int = 160
+    # prompts longer than this many tokens are skipped (and counted): keep it within the
+    # recipe's data.max_length, or their examples are dropped after costing a decode
+    max_prompt_tokens: int | None = None
+    batch_size: int = 8
+    seed: int = 0
+    path: str | None = None  # where the set is kept; default: the cache (`distilled_set_path`)
+    # a streamed checkpoint of the same model to decode faster with; outputs are the model's own
+    decoder: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("data.distill.sources must name at least one source")
+        if self.samples < 1:
+            raise ValueError(f"data.distill.samples must be >= 1, got {self.samples!r}")
+        if self.samples > 1 and self.temperature <= 0:
+            raise ValueError("data.distill.samples > 1 needs data.distill.temperature > 0 (greedy completions repeat)")
+        if self.temperature < 0:
+            raise ValueError(f"data.distill.temperature must be >= 0, got {self.temperature!r}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"data.distill.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens!r}")
+        for name in ("questions_per_database", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.distill.{name} must be >= 1, got {getattr(self, name)!r}")
+
+    def check_task(self, task: str) -> None:
+        allowed = SOURCES.get(task)
+        if allowed is None:
+            raise ValueError(f"data.distill works with data.task in {sorted(SOURCES)}, not {task!r}")
+        unknown = [s for s in self.sources if s not in allowed]
+        if unknown:
+            raise ValueError(f"data.distill.sources {unknown} are not sources of task {task!r}; allowed: {list(allowed)}")
+
+    def settings(self) -> dict:
+        """What decides the set's content (the cache key, with the model and the task)."""
+        keep = ("sources", "questions_per_database", "samples", "temperature", "max_new_tokens", "max_prompt_tokens", "seed")
+        return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def _columns(schema: dict) -> dict[int, list[tuple[str, str]]]:
+    """Each table's (natural-language column name, type), without the '*' column."""
+    out: dict[int, list[tuple[str, str]]] = {}
+    for (owner, name), kind in zip(schema["column_names"], schema["column_types"]):
+        if owner >= 0:
+            out.setdefault(owner, []).append((name, kind))
+    return out
+
+
+def template_questions(schema: dict, count: int, seed: int = 0) -> list[str]:
+    """`count` distinct questions about one Spider schema, written from templates over its tables
+    and columns (natural-language names from ``tables.json``): counts, listings, aggregates,
+    filters, grouping, ordering and joins along foreign keys. Deterministic for a seed."""
+    rng = random.Random(f"{schema['db_id']}:{seed}")
+    tables = schema["table_names"]
+    columns = _columns(schema)
+    names = schema["column_names"]
+    candidates: list[str] = []
+    for t, table in enumerate(tables):
+        cols = columns.get(t, [])
+        if not cols:
+            continue
+        text = [c for c, k in cols if k == "text"] or [c for c, _ in cols]
+        numbers = [c for c, k in cols if k == "number"]
+        a, b = rng.choice(text), rng.choice([c for c, _ in cols])
+        candidates += [
+            f"How many {table} are there?",
+            f"List the {a} of all {table}.",
+            f"What are the {a} and {b} of each {table}?",
+            f"Show the distinct {a} values of {table}.",
+            f"How many {table} are there for each {a}?",
+            f"Which {a} appears most often among the {table}?",
+        ]
+        if numbers:
+            n = rng.choice(numbers)
+            agg = rng.choice(["average", "maximum", "minimum", "total"])
+            candidates += [
+                f"What is the {agg} {n} of all {table}?",
+                f"Show the {a} of {table} whose {n} is greater than {rng.choice([10, 20, 50, 100])}.",
+                f"List the {a} of {table} ordered by {n} in descending order.",
+                f"What is the {a} of the {table} with the highest {n}?",
+                f"For each {a}, what is the {agg} {n} of the {table}?",
+            ]
+    for src, dst in schema["foreign_keys"]:
+        t_src, t_dst = names[src][0], names[dst][0]
+        if t_src == t_dst:
+            continue
+        a = rng.choice([c for c, _ in columns.get(t_src, [(names[src][1], "")])])
+        b = rng.choice([c for c, _ in columns.get(t_dst, [(names[dst][1], "")])])
+        candidates += [
+            f"Show the {a} of each {tables[t_src]} together with the {b} of its {tables[t_dst]}.",
+            f"How many {tables[t_src]} does each {tables[t_dst]} have? Show the {b} and the count.",
+        ]
+    unique = list(dict.fromkeys(candidates))
+    rng.shuffle(unique)
+    return unique[:count]
+
+
+def unused_spider_rows(questions_per_database: int = 4, seed: int = 0) -> list[dict]:
+    """Prompts over the Spider databases that no split uses: `template_questions` for each."""
+    from .spider import _schemas, create_table_statements, spider_dir, sql_prompt
+
+    used = {r["db_id"] for r in json.loads((spider_dir() / "dev.json").read_text())}
+    rows = []
+    for db_id, schema in sorted(_schemas().items()):
+        if db_id in used:
+            continue
+        statements = create_table_statements(schema)
+        for question in template_questions(schema, questions_per_database, seed):
+            rows.append({"db_id": db_id, "question": question, "prompt": sql_prompt(statements, question)})
+    return rows
+
+
+def labelled_rows(task: str, split: str) -> list[dict]:
+    """A built-in task's labelled rows of one split."""
+    if task == "sql":
+        from .spider import load_spider
+
+        return load_spider(split)
+    if task == "summarize":
+        from .aclsum import load_aclsum
+
+        return load_aclsum(split)
+    if task == "gsm8k_solutions":
+        from .reasoning import load_gsm8k_solutions
+
+        return load_gsm8k_solutions(split)
+    raise ValueError(f"no built-in rows for task {task!r}; built-in tasks: {sorted(SOURCES)}")
+
+
+def distill_prompt_rows(task: str, sources: list[str], questions_per_database: int = 4, seed: int = 0) -> list[dict]:
+    """The prompts of a distilled set, source by source (each row keeps its ``source``)."""
+    DistillArgs(sources=list(sources), questions_per_database=questions_per_database).check_task(task)
+    rows: list[dict] = []
+    for source in sources:
+        if source == "unused_databases":
+            part = unused_spider_rows(questions_per_database, seed)
+        else:
+            part = [{k: v for k, v in r.items() if k != "completion"} for r in labelled_rows(task, source)]
+        rows += [{**r, "source": source} for r in part]
+    return rows
+
+
+# ----------------------------------------------------------------------------- building
+
+def distilled_set_path(model: str, task: str, args: DistillArgs) -> Path:
+    """The cached JSONL for this model, task and settings (``args.path`` when given)."""
+    if args.path:
+        return Path(args.path)
+    from ..assets import cache_dir
+
+    key = json.dumps({"model": _model_key(model), "task": task, **args.settings()}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_dir() / "distilled" / f"{task}-{digest}.jsonl"
+
+
+def _model_key(model: str) -> str:
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+def _row_key(row: dict, sample: int) -> str:
+    return hashlib.sha256(f"{row['source']}\n{row['prompt']}\n{sample}".encode()).hexdigest()[:16]
+
+
+def read_distilled(path: str | Path) -> list[dict]:
+    """The rows of a distilled set (prompt, completion, source, ...)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"distilled set {path} does not exist (build it with `streamspec distill`)")
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]

@@ -1,0 +1,84 @@
+"""What every model that decodes through streamspec's tree verifier shares: a transformers causal
+LM's own modules (embeddings, decoder layers, final norm, LM head) and the forward through its
+lower layers. `streamspec.patch.model.StreamedModel` (speculative streams in the top layers) and
+`streamspec.patch.medusa.MedusaModel` (draft heads on the last hidden state) build on it.
+
+A subclass sets ``base`` (the causal LM, possibly inside a peft wrapper) and ``arch``
+(`streamspec.arch.ArchSpec`) and says how many layers `run_lower` runs (``num_lower_layers``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .layout import to_bias
+
+if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
+    from ..decoding.cache import MainStreamCache
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+class DecoderParts(nn.Module):
+    """The causal LM's own modules, and the forward through its lower layers."""
+
+    base: nn.Module
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers causal-LM model (inside the peft wrapper when there is one)."""
+        return self.base.get_base_model() if _is_peft(self.base) else self.base
+
+    @property
+    def decoder(self) -> nn.Module:
+        return getattr(self.hf_model, self.arch.decoder)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.decoder, self.arch.layers)
+
+    @property
+    def num_lower_layers(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: hidden states -> logits."""
+        norm = getattr(self.decoder, self.arch.norm)
+        return self.hf_model.get_output_embeddings()(norm(hidden))
+
+    def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache, **kwargs):
+        extra = {"position_ids": position_ids, "position_embeddings": position_embeddings} if self.arch.rotary else {}
+        out = layer(hidden, attention_mask=bias, cache=cache, **extra, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _rotary(self, hidden, position_ids):
+        if self.arch.rotary is None:
+            return None
+        return getattr(self.decoder, self.arch.rotary)(hidden, position_ids)
+
+    def run_lower(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        main_ok: torch.Tensor,
+        cache: MainStreamCache | None = None,
+    ) -> torch.Tensor:
+        """Embeddings and the lower `num_lower_layers` layers over main positions: hidden states
+        at the input of the next layer, [B, T, h]."""
+        hidden = self.arch.embed(self.decoder, input_ids, position_ids)
+        bias = to_bias(main_ok, hidden.dtype)
+        rotary = self._rotary(hidden, position_ids)
+        if cache is not None:
+            cache.main_length = None
+        for layer in self.layers[: self.num_lower_layers]:
+            hidden = self._call_layer(layer, hidden, bias, position_ids, rotary, cache)
+        return hidden

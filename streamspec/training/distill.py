@@ -1,0 +1,136 @@
+"""Building self-distilled sets (`streamspec.data.distill`): the model's own completions of the
+task's prompts, decoded with streamspec's batch decoder.
+
+`build_distilled_set` appends each finished batch to a JSONL file, so an interrupted build resumes
+where it stopped; a ``.meta.json`` beside it records the model, the settings and the command, and
+a build with other settings is refused rather than mixed into the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ..data.distill import META_SUFFIX, DistillArgs, _model_key, _row_key, distill_prompt_rows, distilled_set_path, read_distilled
+
+logger = logging.getLogger(__name__)
+
+
+def build_distilled_set(
+    model: str,
+    task: str,
+    args: DistillArgs,
+    out: str | Path | None = None,
+    limit: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> Path:
+    """Decode the prompts of `args.sources` with `model` and append the completions to a JSONL.
+
+    Args:
+        model: the model whose outputs the set holds: any causal LM `load_for_inference` takes
+            (the lossless streams will be trained on this model) or a streamed checkpoint.
+        args.decoder: optionally a streamed checkpoint on the same base that decodes faster
+            (greedy outputs are the base's own either way; with sampling, too, each token is
+            drawn from the model's distribution).
+        limit: only the first `limit` prompts (a quick look, or a small set).
+
+    A file already there with the same model and settings is resumed (prompts done are
+    skipped); one made otherwise is refused. Returns the file's path.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..config import StreamConfig
+    from ..decoding.generate import generate
+    from ..loading import load_for_inference
+    from ..patch.model import add_streams
+    from ..data.build import prompt_ids
+
+    args.check_task(task)
+    path = Path(out) if out is not None else distilled_set_path(model, task, args)
+    meta = {"model": _model_key(model), "task": task, "settings": args.settings()}
+    meta_path = path.with_name(path.name + META_SUFFIX)
+    if meta_path.is_file():
+        recorded = json.loads(meta_path.read_text())
+        if {k: recorded.get(k) for k in meta} != meta:
+            raise ValueError(f"{path} was built with other settings ({meta_path}: {recorded}); "
+                             f"give another output path or remove it")
+    rows = distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)[:limit]
+    done = {r["key"] for r in read_distilled(path)} if path.is_file() else set()
+    todo = [(r, s) for r in rows for s in range(args.samples) if _row_key(r, s) not in done]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps({**meta, "command": " ".join(sys.argv), "decoder": args.decoder}, indent=2))
+    if not todo:
+        logger.warning("distilled set %s: complete, %d rows", path, len(done))
+        return path
+
+    loaded = load_for_inference(args.decoder or model, device=device, dtype=dtype)
+    streamed = loaded.model if loaded.streamed else add_streams(loaded.model, StreamConfig(num_streams=1, mode="lossless"))
+    tokenizer = loaded.tokenizer
+    if args.decoder:
+        from ..patch.checkpoint import recorded_base
+
+        base = recorded_base(args.decoder)
+        if _model_key(base) != _model_key(model) or streamed.stream_config.mode != "lossless":
+            raise ValueError(f"decoder {args.decoder} must hold lossless streams on {model} (it names base {base})")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # longest prompts first (padding stays small within a batch, and memory peaks at once)
+    encoded = sorted(((prompt_ids(tokenizer, r)[0], r, s) for r, s in todo), key=lambda e: -len(e[0]))
+    if args.max_prompt_tokens is not None:
+        kept = [e for e in encoded if len(e[0]) <= args.max_prompt_tokens]
+        if len(kept) < len(encoded):
+            logger.warning("distilled set: %d of %d prompts skipped, longer than max_prompt_tokens=%d",
+                           len(encoded) - len(kept), len(encoded), args.max_prompt_tokens)
+        encoded = kept
+    start, written = time.perf_counter(), 0
+    bar = tqdm(total=len(encoded), desc=f"distilling {task}", unit="prompt", disable=not progress)
+    with path.open("a", encoding="utf-8") as handle:
+        for i in range(0, len(encoded), args.batch_size):
+            chunk = encoded[i:i + args.batch_size]
+            width = max(len(ids) for ids, _, _ in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, (prompt, _, _) in enumerate(chunk):
+                ids[j, width - len(prompt):] = prompt
+                mask[j, width - len(prompt):] = 1
+            seed = args.seed * 1_000_003 + i
+            if len(chunk) == 1:
+                ids, mask = ids[:, mask[0].bool()], None
+            result = generate(streamed, ids.to(loaded.device), args.max_new_tokens, attention_mask=None if mask is None
+                              else mask.to(loaded.device), temperature=args.temperature, seed=seed,
+                              eos_token_id=tokenizer.eos_token_id, tree_top_k=1)
+            lengths = result.lengths if getattr(result, "lengths", None) is not None else [result.tokens.shape[1]]
+            for j, (_, row, sample) in enumerate(chunk):
+                tokens = result.tokens[j, :lengths[j]].tolist()
+                ended = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
+                text = tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=True).strip()
+                record = {**{k: v for k, v in row.items() if k not in ("schema",)}, "completion": text,
+                          "sample": sample, "ended": ended, "key": _row_key(row, sample)}
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                written += 1
+            handle.flush()
+            bar.update(len(chunk))
+    bar.close()
+    total = len(done) + written
+    logger.warning("distilled set %s: %d rows (%d new in %.0f s); command: %s", path, total, written,
+                   time.perf_counter() - start, " ".join(sys.argv))
+    return path
+
+
+def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list[dict]:
+    """A recipe's distilled rows of one split: the ``train`` rows are every source but
+    ``validation``; the ``validation`` rows are that source when distilled, else the task's
+    labelled validation rows. Builds the set first when it is not cached."""
+    if split == "validation" and "validation" not in args.sources:
+        from ..data.distill import labelled_rows
+
+        return labelled_rows(task, "validation")
+    rows = read_distilled(build_distilled_set(model, task, args))
+    if split == "validation":
+        return [r for r in rows if r["source"] == "validation"]
+    return [r for r in rows if r["source"] != "validation"]
