@@ -116,6 +116,23 @@ def load_default_tokenizer():
 REASON_ASSETS_HINT = "make reason-assets (or: python -m streamspec.reason.assets)"
 
 
+SHIPPED_STREAMS = "smollm2-135m-sql-streams"
+"""The stream weights that ship inside the package (``streamspec/weights/``): self-distilled
+lossless streams with stream adapters for the default model on SQL
+(recipes/smollm2-135m/sql_streams_distilled.yaml). The base stays frozen, so the streamed model's
+outputs are the default model's own."""
+
+
+def shipped_streams_path(name: str = SHIPPED_STREAMS) -> Path:
+    """The folder of a streamed checkpoint shipped with streamspec (load it with
+    `streamspec.loading.load_for_inference` or `streamspec.load_streamed`)."""
+    folder = Path(__file__).resolve().parent / "weights" / name
+    if not (folder / "stream_config.json").is_file():
+        shipped = sorted(p.name for p in folder.parent.iterdir()) if folder.parent.is_dir() else []
+        raise FileNotFoundError(f"no shipped stream weights named {name!r} in {folder.parent}; shipped: {shipped}")
+    return folder
+
+
 def builtin_model_path(name_or_path: str) -> str:
     """The local folder behind a ``streamspec:`` id; any other name or path comes back unchanged.
 

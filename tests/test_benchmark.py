@@ -148,9 +148,11 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     from streamspec import load_streamed
     from streamspec.demo import run_demo
 
-    summary = run_demo(steps=2, limit=1, out_dir=tmp_path / "demo", model=str(tiny_dir), max_new_tokens=6)
+    result = run_demo(steps=2, limit=1, out_dir=tmp_path / "demo", model=str(tiny_dir), max_new_tokens=6)
     shown = capsys.readouterr().out
-    assert set(summary) >= {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree"}
+    assert result["shipped"] is None  # the shipped streams are for SmolLM2, not this base
+    summary = result["fine_tune"]
+    assert set(summary) >= {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree", "tree_lookup"}
     assert all(summary[name]["identical_to_autoregressive"] for name in ("chain", "tree"))
     assert "| method |" in shown and "tokens_per_pass.png" in shown
     assert (tmp_path / "demo" / "benchmark" / "benchmark.json").is_file()

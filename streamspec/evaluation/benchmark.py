@@ -18,7 +18,13 @@ Methods:
   `LOOKUP_CANDIDATES` on validation prompts;
 - ``tree_confidence``: each pass's tree grown by confidence from 3 candidates per stream
   (`streamspec.decoding.tree.grow_tree`), its node budget given or (``"auto"``) the fastest of
-  `BUDGET_CANDIDATES` on validation prompts.
+  `BUDGET_CANDIDATES` on validation prompts;
+- ``medusa``: Medusa heads (`streamspec.patch.medusa`) on the baseline's model, when a Medusa
+  checkpoint is given, decoded through the same tree verifier with the ``tree`` row's shape (with
+  ``"auto"``: its own fastest shape on the validation prompts).
+
+Every draft method reports ``draft_parameters``: the parameters it adds to the model (streams with
+their adapters; the heads).
 
 Each method reports tokens/s, walltime speedup over the baseline, CRR (generated tokens ÷ forward
 passes), mean tokens per pass, acceptance by depth, whether its outputs equal the streamed
@@ -215,6 +221,8 @@ def markdown_table(summary: dict) -> str:
                "ms_prefill", "ms_per_step_forward", "ms_per_step_head", "ms_per_step_overhead"]
     if any("identical_to_baseline" in entry for entry in summary.values()):
         columns.insert(5, "identical_to_baseline")
+    if any("draft_parameters" in entry for entry in summary.values()):
+        columns.append("draft_parameters")
     quality_keys = [k for k in next(iter(summary.values())) if k in ("exact_match", "valid", "rouge1", "rouge2", "rougeL", "rougeLsum")]
     head = ["method", *columns, *quality_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -243,17 +251,30 @@ def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = N
     paths["markdown"].write_text(markdown_table(summary) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("chain", "tree", "tree_pruned", "tree_lookup", "tree_confidence"):
-        histogram = summary.get(name, {}).get("accepted_per_pass_histogram") or {}
-        if histogram:
-            ax.bar([int(k) + {"chain": -0.34, "tree": -0.17, "tree_pruned": 0, "tree_lookup": 0.17, "tree_confidence": 0.34}[name] for k in histogram],
-                   list(histogram.values()), width=0.17, label=name)
+    drawn = [name for name in (*DRAFT_METHODS, "medusa") if summary.get(name, {}).get("accepted_per_pass_histogram")]
+    width = 0.8 / max(len(drawn), 1)
+    for i, name in enumerate(drawn):
+        histogram = summary[name]["accepted_per_pass_histogram"]
+        ax.bar([int(k) - 0.4 + width * (i + 0.5) for k in histogram], list(histogram.values()), width=width, label=name)
     ax.set_xlabel("tokens accepted per pass")
     ax.set_ylabel("passes")
     ax.legend()
     fig.tight_layout()
     paths["histogram"] = out / "tokens_per_pass.png"
     fig.savefig(paths["histogram"], dpi=120)
+    plt.close(fig)
+
+    # every method side by side: walltime speedup over the baseline and CRR
+    names = [n for n, e in summary.items() if e.get("speedup") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "speedup", "walltime speedup over the baseline"), (axes[1], "crr", "CRR (tokens per pass)")):
+        ax.barh(names, [summary[n][key] or 0 for n in names])
+        ax.axvline(1.0, color="grey", linewidth=0.8)
+        ax.invert_yaxis()
+        ax.set_title(title)
+    fig.tight_layout()
+    paths["methods"] = out / "methods.png"
+    fig.savefig(paths["methods"], dpi=120)
     plt.close(fig)
 
     if sweep:
@@ -379,6 +400,7 @@ def run_benchmark(
     cpu_kernels: bool = True,
     device: str = "auto",
     dtype: str = "auto",
+    medusa: str | None = None,
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -399,6 +421,8 @@ def run_benchmark(
             (`streamspec.kernels.pack_linear_layers`) and add the ``baseline_default_kernels`` row.
         device / dtype: where and in what precision both models run (`streamspec.loading`;
             ``auto``: CUDA in bfloat16 when available, else the CPU in float32).
+        medusa: a Medusa checkpoint folder (`streamspec.patch.medusa`) trained on the baseline's
+            model: adds the ``medusa`` row. Refused when its base is another model.
     """
     from ..patch.checkpoint import read_checkpoint_meta
     from ..loading import load_for_inference
@@ -445,6 +469,14 @@ def run_benchmark(
                                                       max_new_tokens)
     if auto_budget:
         tree_budget, budget_table = choose_budget(model, tokenizer, validation, BUDGET_CANDIDATES, max_new_tokens)
+    heads = None
+    if medusa is not None:
+        heads = _medusa_model(medusa, base_model)
+        if auto_tree:
+            medusa_shape, medusa_table = choose_tree(heads, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
+        else:
+            medusa_shape = tree_top_k
+            tree_shape(tree_top_k, heads.stream_config.num_streams)
     if auto_lookup:
         lookup, lookup_table = choose_lookup(model, tokenizer, validation, tree_top_k, LOOKUP_CANDIDATES, max_new_tokens)
     methods = {
@@ -462,6 +494,8 @@ def run_benchmark(
         methods["tree_lookup"] = streaming_method(model, eos, tree_top_k=tree_top_k, lookup=lookup)
     if tree_budget is not None:
         methods["tree_confidence"] = streaming_method(model, eos, tree_top_k=CONFIDENCE_TOP_K, tree_budget=tree_budget)
+    if heads is not None:
+        methods["medusa"] = streaming_method(heads, eos, tree_top_k=medusa_shape)
     lossless_on_base = baseline is None and model.stream_config.mode == "lossless"
     save_partial = None
     if out_dir is not None:
@@ -496,6 +530,15 @@ def run_benchmark(
         if auto_lookup:
             summary["tree_lookup"]["validation"] = lookup_table
 
+    if heads is not None:
+        summary["medusa"].update(tree_top_k=medusa_shape if isinstance(medusa_shape, int) else list(medusa_shape),
+                                 tree_chosen_on_validation=auto_tree, draft_parameters=heads.num_draft_parameters())
+        if auto_tree:
+            summary["medusa"]["validation"] = medusa_table
+    for name in DRAFT_METHODS:
+        if name in summary:
+            summary[name]["draft_parameters"] = model.num_stream_parameters()
+
     if out_dir is not None:
         save_report(summary, out_dir)  # the main table is safe before the sweep runs
     sweep = []
@@ -519,6 +562,20 @@ def run_benchmark(
         print(markdown_table(summary))
         print("plots: " + ", ".join(v for k, v in summary_paths.items() if v.endswith(".png")))
     return summary
+
+
+DRAFT_METHODS = ("chain", "tree", "tree_pruned", "tree_lookup", "tree_confidence")  # the streams' rows
+
+
+def _medusa_model(folder: str, base_model):
+    """Medusa heads from `folder` on the benchmark's baseline model (shared, not loaded twice);
+    refused strictly when the heads were trained on another base (`load_medusa_heads`)."""
+    from ..patch.medusa import MedusaConfig, MedusaModel, load_medusa_heads, read_medusa_meta
+
+    heads = MedusaModel(base_model, MedusaConfig(**read_medusa_meta(folder)["medusa_config"]))
+    load_medusa_heads(heads, folder)
+    p = next(base_model.parameters())
+    return heads.to(device=p.device, dtype=p.dtype).eval()
 
 
 def _pack_for_cpu(*models) -> bool:

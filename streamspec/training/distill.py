@@ -64,7 +64,8 @@ def build_distilled_set(
     done = {r["key"] for r in read_distilled(path)} if path.is_file() else set()
     todo = [(r, s) for r in rows for s in range(args.samples) if _row_key(r, s) not in done]
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps({**meta, "command": " ".join(sys.argv), "decoder": args.decoder}, indent=2))
+    if not meta_path.is_file():  # the command that started the set (a resume keeps it)
+        meta_path.write_text(json.dumps({**meta, "command": " ".join(sys.argv), "decoder": args.decoder}, indent=2))
     if not todo:
         logger.warning("distilled set %s: complete, %d rows", path, len(done))
         return path
