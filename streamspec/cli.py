@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--lookup", type=lookup_or_auto_arg, default="auto", metavar="auto|none|L,M[,N]",
                     help="the tree_lookup row: the tree with prompt-lookup branches; auto: the fastest setting on "
                          "validation prompts (give L,M with --data); none: no such row")
+    ev.add_argument("--schema-style", default="spider", choices=["spider", "untyped", "compact", "renamed", "long"],
+                    help="SQL: the held-out questions with their schema written in another style (a check that the "
+                         "speedup is not tied to Spider's prompts; see streamspec.data.schema_styles)")
     ev.add_argument("--medusa", default=None, metavar="FOLDER",
                     help="a Medusa checkpoint on the same model (streamspec train with a medusa recipe): adds its row, "
                          "decoded through the same tree verifier")
@@ -252,7 +255,7 @@ def _run(args) -> int:
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), lookup=args.lookup, tree_budget=args.tree_budget,
-            max_new_tokens=args.max_new_tokens, medusa=args.medusa,
+            max_new_tokens=args.max_new_tokens, medusa=args.medusa, schema_style=args.schema_style,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
     elif args.command == "serve":

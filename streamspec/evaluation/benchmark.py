@@ -296,13 +296,19 @@ def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = N
     return paths
 
 
-def held_out_rows(task: str, data: str | None = None, split: str = "test") -> list[dict]:
-    """Prompts to benchmark: Spider's held-out databases, ACLSum, or a JSONL file with prompt and
-    completion fields."""
+def held_out_rows(task: str, data: str | None = None, split: str = "test", schema_style: str = "spider") -> list[dict]:
+    """Prompts to benchmark: Spider's held-out databases (their schemas in `schema_style`, see
+    `streamspec.data.schema_styles`), ACLSum, or a JSONL file with prompt and completion fields."""
+    if schema_style != "spider" and (task != "sql" or data is not None):
+        raise ValueError(f"schema_style {schema_style!r} re-renders Spider prompts: it needs task 'sql' and no data file")
     if data is not None:
         from ..data.build import load_rows
 
         return load_rows(path=data)
+    if task == "sql" and schema_style != "spider":
+        from ..data.schema_styles import styled_spider_rows
+
+        return styled_spider_rows(schema_style, split)
     if task == "sql":
         from ..data.spider import load_spider
 
@@ -401,6 +407,7 @@ def run_benchmark(
     device: str = "auto",
     dtype: str = "auto",
     medusa: str | None = None,
+    schema_style: str = "spider",
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -421,6 +428,8 @@ def run_benchmark(
             (`streamspec.kernels.pack_linear_layers`) and add the ``baseline_default_kernels`` row.
         device / dtype: where and in what precision both models run (`streamspec.loading`;
             ``auto``: CUDA in bfloat16 when available, else the CPU in float32).
+        schema_style: SQL prompts with the schema in another style (`streamspec.data.schema_styles`:
+            untyped, compact, renamed, long), test and validation alike.
         medusa: a Medusa checkpoint folder (`streamspec.patch.medusa`) trained on the baseline's
             model: adds the ``medusa`` row. Refused when its base is another model.
     """
@@ -453,7 +462,7 @@ def run_benchmark(
     model, tokenizer = loaded.model, loaded.tokenizer
     if not auto_tree:
         tree_shape(tree_top_k, model.stream_config.num_streams)  # a bad shape fails before any decoding
-    rows = held_out_rows(task, data)[:limit]
+    rows = held_out_rows(task, data, schema_style=schema_style)[:limit]
     base_model = _baseline_model(meta, checkpoint, baseline, loaded.device, loaded.dtype)
     eos = tokenizer.eos_token_id
     packed = cpu_kernels and _pack_for_cpu(model, base_model)
@@ -461,7 +470,7 @@ def run_benchmark(
     threshold = None
     validation = None
     if data is None and (auto_tree or thresholds or auto_lookup or auto_budget):
-        validation = held_out_rows(task, split="validation")[:validation_limit]
+        validation = held_out_rows(task, split="validation", schema_style=schema_style)[:validation_limit]
     if auto_tree:
         tree_top_k, tree_table = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
     if validation is not None and thresholds:
