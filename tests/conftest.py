@@ -161,6 +161,7 @@ SLOW_TESTS = {
     "test_slurm_template_launches_torchrun_on_every_node_and_resumes_on_requeue",
     "test_demo_trains_exports_and_benchmarks",
     "test_export_command_merges_into_a_self_contained_folder",
+    "test_real_model_distilled_set_is_its_greedy_text",
 }
 
 

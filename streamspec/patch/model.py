@@ -347,6 +347,8 @@ def add_streams(model: nn.Module, config: StreamConfig | None = None) -> Streame
     """
     if isinstance(model, StreamedModel):
         raise ValueError("this model already has streams")
+    if isinstance(model, DecoderParts):  # a MedusaModel: heads, not a transformers causal LM
+        raise ValueError(f"this model already has draft heads ({type(model).__name__}): add streams to its base")
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"add_streams needs a transformers causal-LM model, got {type(model).__name__}")
     return StreamedModel(model, config if config is not None else StreamConfig())
