@@ -8,6 +8,7 @@ test decodes with the real default model."""
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from streamspec.cli import main
 from streamspec.data.build import prompt_ids
 from streamspec.data.distill import (
     SOURCES,
+    _words,
     DistillArgs,
     distill_prompt_rows,
     distilled_set_path,
@@ -55,7 +57,8 @@ def test_template_questions_are_distinct_deterministic_and_about_the_schema(sche
     for db_id, schema in schemas.items():
         everything = template_questions(schema, 10_000)
         assert everything and len(set(everything)) == len(everything), db_id
-        tables = [t.lower() for t in schema["table_names"]]
+        tables = [t.lower() for t in schema["table_names"]] + [_words(t) for t in schema["table_names_original"]]
+        assert not any("sqlite" in q.lower() for q in everything), db_id  # not in the prompt's schema
         for count in (1, 5):
             questions = template_questions(schema, count, seed=3)
             assert questions == template_questions(schema, count, seed=3), db_id  # deterministic
@@ -63,6 +66,21 @@ def test_template_questions_are_distinct_deterministic_and_about_the_schema(sche
             assert set(questions) <= set(template_questions(schema, 10_000, seed=3))
             for question in questions:
                 assert any(t in question.lower() for t in tables), (db_id, question)
+
+
+def test_questions_pair_each_column_with_its_own_table(schemas):
+    """tables.json lists the natural-language table names of store_1, scholar and formula_1 in
+    another order than the original ones: a question must still name the table a column is in."""
+    for db_id in ("store_1", "scholar", "formula_1"):
+        schema = schemas[db_id]
+        owner = {}
+        for t, name in schema["column_names_original"]:
+            if t >= 0:
+                owner.setdefault(_words(name), set()).add(_words(schema["table_names_original"][t]))
+        for question in template_questions(schema, 10_000):
+            match = re.fullmatch(r"List the (.+) of all (.+)\.", question)
+            if match:
+                assert match.group(2) in owner[match.group(1)], (db_id, question)
 
 
 def test_template_questions_stop_when_the_schema_has_no_more(schemas):
@@ -267,6 +285,11 @@ def test_build_writes_greedy_completions_and_resumes(tiny_dir, tmp_path):
     build_distilled_set(str(tiny_dir), "sql", args, out=out, limit=3, progress=False, device="cpu")
     again = read_distilled(out)
     assert again[:2] == rows[:2] and sorted(map(json.dumps, again)) == sorted(map(json.dumps, rows))
+    # a build killed while writing leaves half a line: it is cut, that row decoded again
+    out.write_text("".join(lines)[:-40])
+    build_distilled_set(str(tiny_dir), "sql", args, out=out, limit=3, progress=False, device="cpu")
+    assert sorted(map(json.dumps, read_distilled(out))) == sorted(map(json.dumps, rows))
+    again = read_distilled(out)
     # more prompts: only the new ones are decoded
     build_distilled_set(str(tiny_dir), "sql", args, out=out, limit=5, progress=False, device="cpu")
     five = read_distilled(out)

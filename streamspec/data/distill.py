@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -79,13 +80,29 @@ class DistillArgs:
 
 # ----------------------------------------------------------------------------- prompts
 
-def _columns(schema: dict) -> dict[int, list[tuple[str, str]]]:
-    """Each table's (natural-language column name, type), without the '*' column."""
-    out: dict[int, list[tuple[str, str]]] = {}
-    for (owner, name), kind in zip(schema["column_names"], schema["column_types"]):
+def _words(name: str) -> str:
+    """An original (SQL) name as words: snake_case and camelCase split, lower case."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name).replace("_", " ").lower()
+
+
+def _natural(schema: dict) -> tuple[list[str], dict[int, list[tuple[str, str]]], list[list]]:
+    """Natural-language table names, each table's (column name, type) without '*', and the
+    column list their indices refer to. A few tables.json entries list the natural-language
+    table names in another order than the original ones (scholar, store_1, formula_1): those
+    take names made from the original names instead, so a question names the table it means."""
+    natural, original = schema["table_names"], schema["table_names_original"]
+    position = {name.lower(): i for i, name in enumerate(original)}
+    aligned = all(position.get(name.lower().replace(" ", "_"), i) == i for i, name in enumerate(natural))
+    if aligned:
+        tables, columns = list(natural), schema["column_names"]
+    else:
+        tables = [_words(name) for name in original]
+        columns = [[owner, _words(name) if owner >= 0 else name] for owner, name in schema["column_names_original"]]
+    by_table: dict[int, list[tuple[str, str]]] = {}
+    for (owner, name), kind in zip(columns, schema["column_types"]):
         if owner >= 0:
-            out.setdefault(owner, []).append((name, kind))
-    return out
+            by_table.setdefault(owner, []).append((name, kind))
+    return tables, by_table, columns
 
 
 def template_questions(schema: dict, count: int, seed: int = 0) -> list[str]:
@@ -93,13 +110,12 @@ def template_questions(schema: dict, count: int, seed: int = 0) -> list[str]:
     and columns (natural-language names from ``tables.json``): counts, listings, aggregates,
     filters, grouping, ordering and joins along foreign keys. Deterministic for a seed."""
     rng = random.Random(f"{schema['db_id']}:{seed}")
-    tables = schema["table_names"]
-    columns = _columns(schema)
-    names = schema["column_names"]
+    tables, columns, names = _natural(schema)
     candidates: list[str] = []
+    hidden = {t for t, name in enumerate(schema["table_names_original"]) if name.lower().startswith("sqlite_")}
     for t, table in enumerate(tables):
         cols = columns.get(t, [])
-        if not cols:
+        if not cols or t in hidden:  # SQLite's bookkeeping table is not in the prompt's schema
             continue
         text = [c for c, k in cols if k == "text"] or [c for c, _ in cols]
         numbers = [c for c, k in cols if k == "number"]
@@ -124,7 +140,7 @@ def template_questions(schema: dict, count: int, seed: int = 0) -> list[str]:
             ]
     for src, dst in schema["foreign_keys"]:
         t_src, t_dst = names[src][0], names[dst][0]
-        if t_src == t_dst:
+        if t_src == t_dst or t_src in hidden or t_dst in hidden:
             continue
         a = rng.choice([c for c, _ in columns.get(t_src, [(names[src][1], "")])])
         b = rng.choice([c for c, _ in columns.get(t_dst, [(names[dst][1], "")])])

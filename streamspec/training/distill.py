@@ -61,8 +61,19 @@ def build_distilled_set(
             raise ValueError(f"{path} was built with other settings ({meta_path}: {recorded}); "
                              f"give another output path or remove it")
     rows = distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)[:limit]
+    if path.is_file():
+        _drop_partial_line(path)
     done = {r["key"] for r in read_distilled(path)} if path.is_file() else set()
-    todo = [(r, s) for r in rows for s in range(args.samples) if _row_key(r, s) not in done]
+    tokenizer = _tokenizer(model)
+    encoded = [(prompt_ids(tokenizer, r)[0], r, s) for r in rows for s in range(args.samples)]
+    if args.max_prompt_tokens is not None:
+        kept = [e for e in encoded if len(e[0]) <= args.max_prompt_tokens]
+        if len(kept) < len(encoded):
+            logger.warning("distilled set: %d of %d prompts skipped, longer than max_prompt_tokens=%d",
+                           len(encoded) - len(kept), len(encoded), args.max_prompt_tokens)
+        encoded = kept
+    # longest prompts first (padding stays small within a batch, and memory peaks at once)
+    todo = sorted((e for e in encoded if _row_key(e[1], e[2]) not in done), key=lambda e: -len(e[0]))
     path.parent.mkdir(parents=True, exist_ok=True)
     if not meta_path.is_file():  # the command that started the set (a resume keeps it)
         meta_path.write_text(json.dumps({**meta, "command": " ".join(sys.argv), "decoder": args.decoder}, indent=2))
@@ -72,7 +83,6 @@ def build_distilled_set(
 
     loaded = load_for_inference(args.decoder or model, device=device, dtype=dtype)
     streamed = loaded.model if loaded.streamed else add_streams(loaded.model, StreamConfig(num_streams=1, mode="lossless"))
-    tokenizer = loaded.tokenizer
     if args.decoder:
         from ..patch.checkpoint import recorded_base
 
@@ -80,14 +90,7 @@ def build_distilled_set(
         if _model_key(base) != _model_key(model) or streamed.stream_config.mode != "lossless":
             raise ValueError(f"decoder {args.decoder} must hold lossless streams on {model} (it names base {base})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # longest prompts first (padding stays small within a batch, and memory peaks at once)
-    encoded = sorted(((prompt_ids(tokenizer, r)[0], r, s) for r, s in todo), key=lambda e: -len(e[0]))
-    if args.max_prompt_tokens is not None:
-        kept = [e for e in encoded if len(e[0]) <= args.max_prompt_tokens]
-        if len(kept) < len(encoded):
-            logger.warning("distilled set: %d of %d prompts skipped, longer than max_prompt_tokens=%d",
-                           len(encoded) - len(kept), len(encoded), args.max_prompt_tokens)
-        encoded = kept
+    encoded = todo
     start, written = time.perf_counter(), 0
     bar = tqdm(total=len(encoded), desc=f"distilling {task}", unit="prompt", disable=not progress)
     with path.open("a", encoding="utf-8") as handle:
@@ -123,6 +126,29 @@ def build_distilled_set(
     return path
 
 
+def _tokenizer(model: str):
+    """The tokenizer of `model` (a streamed checkpoint's own, or the model's)."""
+    from ..loading import is_streamed_checkpoint
+
+    if Path(model).expanduser().is_dir() and is_streamed_checkpoint(Path(model).expanduser()):
+        from ..patch.checkpoint import checkpoint_tokenizer
+
+        return checkpoint_tokenizer(Path(model).expanduser())
+    from ..assets import load_tokenizer
+
+    return load_tokenizer(model)
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Cut a half-written last line (a build killed while writing a batch): the rows before it stay."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        logger.warning("distilled set %s: dropping a half-written last row (%d bytes) before resuming", path, len(data) - end)
+        with path.open("r+b") as handle:
+            handle.truncate(end)
+
+
 def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list[dict]:
     """A recipe's distilled rows of one split: the ``train`` rows are every source but
     ``validation``; the ``validation`` rows are that source when distilled, else the task's
@@ -132,6 +158,12 @@ def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list
 
         return labelled_rows(task, "validation")
     rows = read_distilled(build_distilled_set(model, task, args))
+    wanted = {_row_key(r, s) for r in distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
+              for s in range(args.samples)}
+    stale = [r for r in rows if r["key"] not in wanted]
+    if stale:  # prompts the settings no longer make (templates changed since the set was started)
+        logger.warning("distilled set: %d rows left out, their prompts are no longer in the set's sources", len(stale))
+        rows = [r for r in rows if r["key"] in wanted]
     if split == "validation":
         return [r for r in rows if r["source"] == "validation"]
     return [r for r in rows if r["source"] != "validation"]

@@ -73,7 +73,10 @@ def build_model(recipe: Recipe):
             task_type="CAUSAL_LM",
         )
     if recipe.medusa is not None:
-        return add_medusa_heads(base, recipe.medusa), tokenizer
+        heads = add_medusa_heads(base, recipe.medusa)
+        if next(heads.heads.parameters()).dtype in _REDUCED:
+            heads.heads.float()  # float32 masters, as for streams (keep_float32_masters)
+        return heads, tokenizer
     if recipe.streams is None:
         from peft import get_peft_model
 
