@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--tree-top-k", type=tree_or_auto_arg, default=3,
                     help="the tree: candidates per stream, or per depth (3,1,1), or auto (the fastest on validation)")
     ev.add_argument("--sweep", type=int, nargs="*", default=[], help="tree_top_k values for the speedup/CRR plot")
+    ev.add_argument("--validation-limit", type=int, default=10,
+                    help="validation prompts the auto settings (tree, lookup, budget, threshold) are chosen on")
+    ev.add_argument("--thresholds", type=float, nargs="*", default=[0.01, 0.05, 0.1, 0.2], metavar="T",
+                    help="pruning thresholds tried on validation for the tree_pruned row (none given: no such row)")
     ev.add_argument("--tree-budget", type=budget_or_auto_arg, default="auto", metavar="auto|none|N",
                     help="the tree_confidence row: trees grown by confidence up to N nodes; auto: the fastest budget "
                          "on validation prompts; none: no such row")
@@ -254,6 +258,7 @@ def _run(args) -> int:
 
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
+            validation_limit=args.validation_limit, thresholds=tuple(args.thresholds),
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), lookup=args.lookup, tree_budget=args.tree_budget,
             max_new_tokens=args.max_new_tokens, medusa=args.medusa, schema_style=args.schema_style,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
