@@ -6,7 +6,8 @@ speedup is not tied to Spider's prompt style (typed CREATE TABLE statements with
 - ``renamed``: the typed statements with every table and column name in another convention
   (snake_case names to camelCase and the other way round; the question keeps its words);
 - ``long``: the typed statements of the question's database followed by those of three other
-  databases (a longer table list, as in a warehouse with many tables).
+  databases whose table names clash with none of them (a longer table list, as in a warehouse
+  with many tables).
 
 `styled_spider_rows` renders a split's questions in a style; with the test split the databases
 are ones no training set uses (neither the labelled pairs nor the self-distilled set). The gold
@@ -52,14 +53,25 @@ def render_schema(schema: dict, style: str, seed: int = 0) -> str:
         return "\n".join(f"{t}({', '.join(cols)})" for t, cols in _tables(schema))
     if style == "renamed":
         renamed = dict(schema)
-        renamed["table_names_original"] = [_other_convention(t) for t in schema["table_names_original"]]
+        # SQLite's bookkeeping tables keep their names, so that they stay out of the statements
+        renamed["table_names_original"] = [t if t.lower().startswith("sqlite_") else _other_convention(t)
+                                           for t in schema["table_names_original"]]
         renamed["column_names_original"] = [[owner, _other_convention(c) if owner >= 0 else c]
                                             for owner, c in schema["column_names_original"]]
         return create_table_statements(renamed)
-    # long: this database, then three others (fixed for a database and seed)
+    # long: this database, then three others (fixed for a database and seed) whose table names
+    # clash with none already shown (SQLite names are case-insensitive): one valid script
     others = sorted(k for k in _schemas() if k != schema["db_id"])
     rng = random.Random(f"{schema['db_id']}:{seed}")
-    extra = [create_table_statements(_schemas()[k]) for k in rng.sample(others, 3)]
+    taken = {t.lower() for t, _ in _tables(schema)}
+    extra = []
+    for k in rng.sample(others, len(others)):
+        names = {t.lower() for t, _ in _tables(_schemas()[k])}
+        if names and not names & taken:
+            extra.append(create_table_statements(_schemas()[k]))
+            taken |= names
+            if len(extra) == 3:
+                break
     return "\n".join([create_table_statements(schema), *extra])
 
 

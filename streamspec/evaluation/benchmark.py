@@ -466,6 +466,11 @@ def run_benchmark(
     base_model = _baseline_model(meta, checkpoint, baseline, loaded.device, loaded.dtype)
     eos = tokenizer.eos_token_id
     packed = cpu_kernels and _pack_for_cpu(model, base_model)
+    heads = None
+    if medusa is not None:  # refused (another base, a tree deeper than the heads) before anything is decoded
+        heads = _medusa_model(medusa, base_model)
+        if not auto_tree:
+            tree_shape(tree_top_k, heads.stream_config.num_streams)
 
     threshold = None
     validation = None
@@ -478,14 +483,11 @@ def run_benchmark(
                                                       max_new_tokens)
     if auto_budget:
         tree_budget, budget_table = choose_budget(model, tokenizer, validation, BUDGET_CANDIDATES, max_new_tokens)
-    heads = None
-    if medusa is not None:
-        heads = _medusa_model(medusa, base_model)
+    if heads is not None:
         if auto_tree:
             medusa_shape, medusa_table = choose_tree(heads, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
         else:
             medusa_shape = tree_top_k
-            tree_shape(tree_top_k, heads.stream_config.num_streams)
     if auto_lookup:
         lookup, lookup_table = choose_lookup(model, tokenizer, validation, tree_top_k, LOOKUP_CANDIDATES, max_new_tokens)
     methods = {
