@@ -226,12 +226,11 @@ def read_medusa_meta(folder: str | Path) -> dict[str, Any]:
 
 
 def medusa_base(folder: str | Path, meta: dict[str, Any] | None = None) -> str:
-    """The base model a Medusa checkpoint names (found relative to the folder when it moved)."""
-    folder = Path(folder)
-    recorded = (meta or read_medusa_meta(folder))["base_model"]
-    name, relative = recorded.get("name_or_path"), recorded.get("relative_path")
-    if name and relative and not Path(name).exists() and (folder / relative).exists():
-        return str((folder / relative).resolve())
+    """The base model a Medusa checkpoint names (found relative to the folder when it moved), as
+    `streamspec.patch.checkpoint.recorded_base` finds a streamed checkpoint's."""
+    from .checkpoint import recorded_base
+
+    name = recorded_base(folder, meta or read_medusa_meta(folder))
     if not name:
         raise CheckpointError(f"{folder}: the checkpoint does not name its base model")
     return name
