@@ -166,6 +166,8 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     ("decode_crr.py", ("--checkpoint", "--task", "--split", "--limit", "--trees", "--pruned")),
     ("stream_adapter_cost.py", ("--checkpoint", "--task", "--limit", "--repeats")),
     ("reason_draft_speed.py", ("--drafter", "--offset", "--limit", "--trees", "--repeats")),
+    ("draft_accuracy.py", ("--recipe", "--checkpoints", "--batch-size", "--limit")),
+    ("draft_parameters.py", ("--num-drafts", "--stream-layers", "--adapter-rank")),
 ])
 def test_eval_entry_points_parse_their_options(name, options):
     import subprocess
@@ -179,6 +181,24 @@ def test_eval_entry_points_parse_their_options(name, options):
 
 
 @pytest.mark.parametrize("task", ["sql", "summarize"])
+def test_draft_parameter_counts_follow_the_formulas():
+    """eval/draft_parameters.py: streams add γ·h + 2·h·8 (identifiers, early-exit adapter), and
+    Medusa heads γ·(h² + h), on the meta device for SmolLM2's and Llama-3.1-8B's shapes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "eval" / "draft_parameters.py"
+    out = subprocess.run([sys.executable, str(script), "--num-drafts", "2"], capture_output=True, text=True, check=True).stdout
+    rows = {r["model"]: r for r in map(json.loads, out.splitlines())}
+    for name, h in (("SmolLM2-135M", 576), ("Llama-3.1-8B", 4096)):
+        assert rows[name]["streams"] == 2 * h + 2 * h * 8
+        assert rows[name]["medusa_heads"] == 2 * (h * h + h)
+        assert rows[name]["streams"] < rows[name]["streams_with_rank_32_adapters"] < rows[name]["base_parameters"]
+    assert rows["SmolLM2-135M"]["base_parameters"] == 134_515_008  # the default model's count (README)
+
+
 def test_eval_data_of_a_user_runs_end_to_end(task, tiny_dir, tmp_path, capsys):
     """`streamspec eval --data` with rows that have only prompt and completion (no Spider fields):
     quality is measured against the completion and every file is written."""
