@@ -180,7 +180,6 @@ def test_eval_entry_points_parse_their_options(name, options):
         assert option in shown
 
 
-@pytest.mark.parametrize("task", ["sql", "summarize"])
 def test_draft_parameter_counts_follow_the_formulas():
     """eval/draft_parameters.py: streams add γ·h + 2·h·8 (identifiers, early-exit adapter), and
     Medusa heads γ·(h² + h), on the meta device for SmolLM2's and Llama-3.1-8B's shapes."""
@@ -199,6 +198,7 @@ def test_draft_parameter_counts_follow_the_formulas():
     assert rows["SmolLM2-135M"]["base_parameters"] == 134_515_008  # the default model's count (README)
 
 
+@pytest.mark.parametrize("task", ["sql", "summarize"])
 def test_eval_data_of_a_user_runs_end_to_end(task, tiny_dir, tmp_path, capsys):
     """`streamspec eval --data` with rows that have only prompt and completion (no Spider fields):
     quality is measured against the completion and every file is written."""
