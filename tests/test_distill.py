@@ -443,3 +443,28 @@ def test_real_model_distilled_set_is_its_greedy_text(tmp_path):
         build_distilled_set(DEFAULT_MODEL_ID, "sql", DistillArgs(enabled=True, sources=["train"], max_new_tokens=9),
                             out=out, limit=3, progress=False)
     assert os.path.getsize(out) == size
+
+
+def test_two_builds_of_one_set_take_turns(tiny_dir, tmp_path):
+    """A streams run and a Medusa run started together on the same cached set: the second waits
+    for the first and finds every row done (no row twice, no line broken by two writers)."""
+    import threading
+
+    out = tmp_path / "shared.jsonl"
+    args = DistillArgs(enabled=True, sources=["validation"], max_new_tokens=5, batch_size=2)
+    errors = []
+
+    def build():
+        try:
+            build_distilled_set(str(tiny_dir), "sql", args, out=out, limit=4, progress=False, device="cpu")
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    rows = read_distilled(out)
+    assert len(rows) == 4 and len({r["key"] for r in rows}) == 4

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..data.distill import META_SUFFIX, DistillArgs, _model_key, _row_key, distill_prompt_rows, distilled_set_path, read_distilled
@@ -42,6 +43,15 @@ def build_distilled_set(
     A file already there with the same model and settings is resumed (prompts done are
     skipped); one made otherwise is refused. Returns the file's path.
     """
+    args.check_task(task)
+    path = Path(out) if out is not None else distilled_set_path(model, task, args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(path):  # two runs sharing a cached set (streams and Medusa heads) take turns
+        return _build(model, task, args, path, limit, device, dtype, progress)
+
+
+def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | None, device: str, dtype: str,
+           progress: bool) -> Path:
     import torch
     from tqdm.auto import tqdm
 
@@ -51,8 +61,6 @@ def build_distilled_set(
     from ..patch.model import add_streams
     from ..data.build import prompt_ids
 
-    args.check_task(task)
-    path = Path(out) if out is not None else distilled_set_path(model, task, args)
     meta = {"model": _model_key(model), "task": task, "settings": args.settings()}
     meta_path = path.with_name(path.name + META_SUFFIX)
     if meta_path.is_file():
@@ -124,6 +132,22 @@ def build_distilled_set(
     logger.warning("distilled set %s: %d rows (%d new in %.0f s); command: %s", path, total, written,
                    time.perf_counter() - start, " ".join(sys.argv))
     return path
+
+
+@contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive lock on ``path.lock`` (POSIX; elsewhere no lock) while building."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with path.with_name(path.name + ".lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _tokenizer(model: str):
