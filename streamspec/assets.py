@@ -133,6 +133,15 @@ def shipped_streams_path(name: str = SHIPPED_STREAMS) -> Path:
     return folder
 
 
+def shipped_or_path(source: str) -> str:
+    """The folder of shipped stream weights named ``streamspec:NAME`` (e.g.
+    ``streamspec:smollm2-135m-sql-streams``); any other source comes back unchanged."""
+    name = source[len(BUILTIN_PREFIX):] if source.startswith(BUILTIN_PREFIX) else None
+    if name and (Path(__file__).resolve().parent / "weights" / name / "stream_config.json").is_file():
+        return str(shipped_streams_path(name))
+    return source
+
+
 def builtin_model_path(name_or_path: str) -> str:
     """The local folder behind a ``streamspec:`` id; any other name or path comes back unchanged.
 

@@ -76,7 +76,8 @@ def load_for_inference(
     """Load `source` for decoding.
 
     Args:
-        source: a streamed checkpoint folder (``stream_config.json``), a Medusa checkpoint folder
+        source: a streamed checkpoint folder (``stream_config.json``) or shipped stream weights
+            (``streamspec:smollm2-135m-sql-streams``), a Medusa checkpoint folder
             (``medusa_config.json``, `streamspec.patch.medusa`), or any causal LM: a local
             folder, a hub id, `streamspec.assets.DEFAULT_MODEL_ID`, a folder with ``gguf_file``,
             or the path of a ``.gguf`` file.
@@ -90,9 +91,11 @@ def load_for_inference(
     """
     from .assets import BUILTIN_PREFIX
 
+    from .assets import shipped_or_path
+
     target = resolve_device(device)
     precision = resolve_dtype(dtype, target)
-    text = str(source)
+    text = shipped_or_path(str(source))
     path = Path(text).expanduser()
     if text.endswith(".gguf") and gguf_file is None and path.is_file():
         path, gguf_file = path.parent, path.name

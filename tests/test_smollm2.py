@@ -128,3 +128,22 @@ def test_demo_introduction_shows_overhead_and_lossless_check(capsys):
     assert numbers["lossless_max_diff"] < 1e-3
     for line in ("main     predicts t+1", "stream 1 predicts t+2", "stream 3 predicts t+4", "early exit"):
         assert line in shown
+
+
+def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer):
+    """The stream weights in streamspec/weights/ (what `make demo` benchmarks) load by name for
+    the default model, strictly, and decode the base model's own tokens with fewer passes."""
+    from streamspec.assets import shipped_streams_path
+    from streamspec.decoding.generate import generate
+    from streamspec.data.build import prompt_ids
+    from streamspec.loading import load_for_inference
+
+    loaded = load_for_inference("streamspec:smollm2-135m-sql-streams", device="cpu", dtype="float32", cpu_kernels=False)
+    assert loaded.streamed and loaded.model.stream_config.mode == "lossless"
+    assert loaded.source == str(shipped_streams_path())
+    ids = prompt_ids(tokenizer, load_spider("test")[3])
+    plain = base.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    eos = tokenizer.eos_token_id
+    out = generate(loaded.model, ids, 24, tree_top_k=(2, 1, 1), eos_token_id=eos)
+    assert out.tokens[0].tolist() == plain[: out.tokens.shape[1]] and out.tokens.shape[1] == min(len(plain), 24)
+    assert out.forward_passes < out.tokens.shape[1]  # trained streams: more than one token per pass

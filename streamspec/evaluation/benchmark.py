@@ -412,7 +412,7 @@ def run_benchmark(
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
     Args:
-        checkpoint: a streamed checkpoint.
+        checkpoint: a streamed checkpoint (a folder, or shipped weights: ``streamspec:NAME``).
         baseline: a peft adapter folder of the next-token fine-tune on the same base; default the
             unpatched base model (the right baseline for a lossless checkpoint).
         limit / validation_limit: how many test / validation prompts (fixed order).
@@ -457,6 +457,9 @@ def run_benchmark(
         raise ValueError(f"validation_limit must be >= 1 to choose the tree budget on validation, got {validation_limit}")
     if auto_lookup and validation_limit < 1:
         raise ValueError(f"validation_limit must be >= 1 to choose the lookup on validation, got {validation_limit}")
+    from ..assets import shipped_or_path
+
+    checkpoint = shipped_or_path(checkpoint)
     meta = read_checkpoint_meta(checkpoint)
     loaded = load_for_inference(checkpoint, device=device, dtype=dtype, cpu_kernels=False)  # packed below, with the baseline
     model, tokenizer = loaded.model, loaded.tokenizer
