@@ -35,7 +35,7 @@ from ..arch import arch_spec
 from .decoder import DecoderParts, _is_peft
 from .layout import causal, main_allowed, position_ids_from_mask
 from .loss import cross_entropy_and_top1, frozen
-from .objective import _term_losses, main_predictions
+from .objective import _term_losses, check_activations, main_predictions, stored_main_counts
 from .saving import CheckpointError, _base_facts, base_fingerprint
 
 if TYPE_CHECKING:
@@ -137,14 +137,15 @@ class MedusaModel(DecoderParts):
         with torch.no_grad():
             return self.run_lower(input_ids, positions, main_allowed(causal(input_ids.shape[1], input_ids.device), mask))
 
-    def _terms(self, hidden: torch.Tensor, labels: torch.Tensor):
+    def _terms(self, hidden: torch.Tensor, labels: torch.Tensor, own: torch.Tensor | None = None):
         """Loss terms ``(name, hidden, targets, weight, transform)``: head k at position t learns
         the model's own top-1 prediction for the token at t+1+k (the targets lossless streams
         learn with ``stream_targets: main``), where the data has a token there."""
         batch = labels.shape[0]
         norm = frozen(getattr(self.decoder, self.arch.norm))
         next_labels = torch.cat([labels[:, 1:], labels.new_full((batch, 1), -100)], dim=1)
-        own = main_predictions(self, hidden, next_labels, norm)
+        if own is None:
+            own = main_predictions(self, hidden, next_labels, norm)
         terms = []
         for k, head in enumerate(self.heads, start=1):
             targets = torch.cat([own[:, 1 + k:], own.new_full((batch, 1 + k), -100)], dim=1)
@@ -152,29 +153,44 @@ class MedusaModel(DecoderParts):
         return terms
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_chunk_size: int = 256):
-        """The heads' loss (the mean over heads of each head's mean cross-entropy) and its parts."""
+                labels: torch.Tensor | None = None, loss_chunk_size: int = 256,
+                activations: dict[str, torch.Tensor] | None = None):
+        """The heads' loss (the mean over heads of each head's mean cross-entropy) and its parts.
+        With `activations` (offline training, `streamspec.training.activations`) the frozen model's
+        last hidden states and predictions are the stored ones; nothing of the base runs."""
         from .model import StreamedOutput
 
         if labels is None:
             raise ValueError("MedusaModel.forward trains the heads: it needs labels (decode with streamspec's generate)")
-        hidden = self._final_hidden(input_ids, attention_mask)
-        loss, means = _term_losses(self.hf_model.get_output_embeddings(), self._terms(hidden, labels), loss_chunk_size,
-                                   freeze_head=True)
+        hidden, own = self._stored_or_final(input_ids, attention_mask, activations)
+        loss, means = _term_losses(self.hf_model.get_output_embeddings(), self._terms(hidden, labels, own),
+                                   loss_chunk_size, freeze_head=True)
         parts = {f"head_{k}": value for k, value in enumerate(means, start=1)}
         return StreamedOutput(loss=loss / len(self.heads), loss_parts=parts)
 
+    def _stored_or_final(self, input_ids, attention_mask, activations):
+        """(last hidden states, stored main predictions or None): from `activations` when given."""
+        if activations is None:
+            return self._final_hidden(input_ids, attention_mask), None
+        stored = check_activations(activations, tuple(input_ids.shape), None)
+        return stored["hidden"], stored["own"]
+
     @torch.no_grad()
-    def evaluate_counts(self, input_ids, attention_mask=None, labels=None, chunk_size: int = 256) -> dict[str, float]:
+    def evaluate_counts(self, input_ids, attention_mask=None, labels=None, chunk_size: int = 256,
+                        activations: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """Validation sums like `StreamedModel.evaluate_counts`: ``main`` and ``head_k`` terms."""
         if labels is None:
             raise ValueError("evaluate_counts needs labels")
-        hidden = self._final_hidden(input_ids, attention_mask)
+        hidden, own = self._stored_or_final(input_ids, attention_mask, activations)
         norm = getattr(self.decoder, self.arch.norm)
         lm_head = self.hf_model.get_output_embeddings()
         next_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-        terms = [("main", hidden, next_labels, 1.0, norm)] + self._terms(hidden, labels)
         sums: dict[str, float] = {}
+        if activations is None:
+            terms = [("main", hidden, next_labels, 1.0, norm)] + self._terms(hidden, labels)
+        else:
+            sums.update(stored_main_counts(labels, activations))
+            terms = self._terms(hidden, labels, own)
         for name, rows, target, _, transform in terms:
             keep = target != -100
             loss_sum, correct = cross_entropy_and_top1(lm_head, transform(rows[keep]), target[keep], chunk_size)

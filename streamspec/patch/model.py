@@ -45,9 +45,10 @@ from .stream_modules import (
     remove_stream_modules,
     replace_submodule,
 )
+from .prefix import KVCapture, KVPrefix
 from .saving import save_streamed
 from .decoder import DecoderParts, _is_peft
-from .objective import loss_terms, total_loss
+from .objective import check_activations, loss_terms, offline_total_loss, stored_main_counts, total_loss
 from .parameters import StreamAdapters, StreamParameters, _adapter_target, linear_targets
 
 if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
@@ -212,15 +213,19 @@ class StreamedModel(DecoderParts):
         x = torch.cat([hidden, streams], dim=1)
         pos = torch.cat([position_ids, stream_position_ids(position_ids, index, g)], dim=1)
         allowed = stream_allowed(main_ok, index, valid, g, shared=self.stream_config.mode == "shared")
-        bias = to_bias(allowed, x.dtype)
+        x = self._run_msa(x, pos, to_bias(allowed, x.dtype), cache, num_main=num_new)
+        return x[:, :num_new], x[:, num_new:].reshape(batch, num_slots, g, width)
+
+    def _run_msa(self, x: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, cache, num_main: int) -> torch.Tensor:
+        """The MSA layers over rows `x` whose first `num_main` are main rows (the rest stream rows)."""
         rotary = self._rotary(x, pos)
         if cache is not None:
-            cache.main_length = num_new
-        rows = {STREAM_ROWS: num_new} if self._has_stream_modules else {}
+            cache.main_length = num_main
+        rows = {STREAM_ROWS: num_main} if self._has_stream_modules else {}
         for layer in self.layers[self.num_lower_layers :]:
             self._rows.num_main = None
             x = self._call_layer(layer, x, bias, pos, rotary, cache, **rows)
-            if rows and self._rows.num_main != num_new:
+            if rows and self._rows.num_main != num_main:
                 raise RuntimeError(
                     f"{type(layer).__name__} did not pass its keyword arguments on to its attention module: the "
                     "stream modules cannot tell stream rows from main rows"
@@ -228,7 +233,42 @@ class StreamedModel(DecoderParts):
         self._rows.num_main = None  # what runs next may be the plain model's own forward
         if cache is not None:
             cache.main_length = None
-        return x[:, :num_new], x[:, num_new:].reshape(batch, num_slots, g, width)
+        return x
+
+    # -- offline training: the frozen main stream computed once (streamspec.training.activations)
+    @torch.no_grad()
+    def capture_main(self, lower: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor):
+        """The main stream through the MSA layers alone (lossless mode: it never sees a stream).
+        Returns its final hidden states [B, T, h] and each MSA layer's main keys and values
+        ``{layer_idx: [B, kv_heads, T, head_dim]}`` (what `run_streams` attends to)."""
+        self._require_lossless("capture_main")
+        capture = KVCapture()
+        main = self._run_msa(lower, position_ids, to_bias(main_ok, lower.dtype), capture, num_main=lower.shape[1])
+        expected = list(range(self.num_lower_layers, len(self.layers)))
+        if sorted(capture.keys) != expected:
+            raise RuntimeError(f"the MSA layers reported keys for layers {sorted(capture.keys)}, expected {expected}")
+        return main, capture.keys, capture.values
+
+    def run_streams(self, origin: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor,
+                    index: torch.Tensor, valid: torch.Tensor, prefix: KVPrefix) -> torch.Tensor:
+        """Stream rows only through the MSA layers, attending to the main keys and values in
+        `prefix` (from `capture_main`): in lossless mode the same stream states as `run_upper`
+        from `origin` [B, S, h], the hidden states at the input of layer N−Ns of the positions in
+        `index`. Returns [B, S, γ, h] (before the final norm)."""
+        self._require_lossless("run_streams")
+        batch, num_slots, width = origin.shape
+        g = self.stream_config.num_streams
+        num_main = main_ok.shape[1]
+        x = self.streams(origin).reshape(batch, num_slots * g, width)
+        pos = stream_position_ids(position_ids, index, g)
+        allowed = stream_allowed(main_ok, index, valid, g, shared=False)[:, num_main:]
+        x = self._run_msa(x, pos, to_bias(allowed, x.dtype), prefix, num_main=0)
+        return x.reshape(batch, num_slots, g, width)
+
+    def _require_lossless(self, what: str) -> None:
+        if self.stream_config.mode != "lossless":
+            raise ValueError(f"{what} needs mode='lossless': in shared mode the main stream attends to the "
+                             "streams, so it is not a fixed function of the text")
 
     # -- training / scoring forward -------------------------------------------------------------
     def forward(
@@ -239,6 +279,7 @@ class StreamedModel(DecoderParts):
         return_logits: bool | None = None,
         loss_chunk_size: int = 256,
         streams_at: str = "all",
+        activations: dict[str, torch.Tensor] | None = None,
     ) -> StreamedOutput:
         """Main, stream and early-exit predictions for a batch, and the loss when labels are given.
 
@@ -256,7 +297,16 @@ class StreamedModel(DecoderParts):
                 position's main logits are exactly decoding's first step; with ``"all"`` they
                 differ there, since every earlier main position also attended to its own streams).
                 With labels the labels decide, and this must stay ``"all"``.
+            activations: offline training (lossless mode): the frozen main stream's stored
+                activations for this batch, as `streamspec.training.activations.ActivationCollator`
+                makes them; only the streams run, and loss and gradients equal the online path's.
         """
+        if activations is not None:
+            if labels is None or return_logits:
+                raise ValueError("activations are for offline training: they need labels and give no logits")
+            hidden = self._offline_hidden(input_ids, attention_mask, labels, activations)
+            loss, parts = offline_total_loss(self, *hidden, loss_chunk_size)
+            return StreamedOutput(loss=loss, loss_parts=parts, stream_mask=hidden[-1])
         if streams_at not in ("all", "last"):
             raise ValueError(f"streams_at must be 'all' or 'last', got {streams_at!r}")
         if streams_at != "all" and labels is not None:
@@ -276,17 +326,23 @@ class StreamedModel(DecoderParts):
     @torch.no_grad()
     def evaluate_counts(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-        chunk_size: int = 256,
+        chunk_size: int = 256, activations: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """Sums for validation, per term (``main``, ``stream_j``, ``early_exit``): ``{term}_loss_sum``,
         ``{term}_correct`` (top-1 equals the target; for stream j the token at t+1+j) and
         ``{term}_count``. Needs labels; never builds the full logits."""
         if labels is None:
             raise ValueError("evaluate_counts needs labels")
-        lower, main, streams, index, valid, _, labels = self._hidden(input_ids, attention_mask, labels)
         head = self.hf_model.get_output_embeddings()
         sums: dict[str, float] = {}
-        for name, hidden, target, _, transform in loss_terms(self, lower, main, streams, index, valid, labels):
+        if activations is not None:
+            lower, streams, index, valid, labels, stored, _ = self._offline_hidden(input_ids, attention_mask, labels, activations)
+            sums.update(stored_main_counts(labels, stored))
+            terms = loss_terms(self, lower, None, streams, index, valid, labels, own=stored.get("own"))
+        else:
+            lower, main, streams, index, valid, _, labels = self._hidden(input_ids, attention_mask, labels)
+            terms = loss_terms(self, lower, main, streams, index, valid, labels)
+        for name, hidden, target, _, transform in terms:
             keep = target != -100
             loss_sum, correct = cross_entropy_and_top1(head, transform(hidden[keep]), target[keep], chunk_size)
             sums.update({f"{name}_loss_sum": loss_sum, f"{name}_correct": correct, f"{name}_count": int(keep.sum())})
@@ -306,6 +362,26 @@ class StreamedModel(DecoderParts):
         lower = self.run_lower(input_ids, position_ids, main_ok)
         main, streams = self.run_upper(lower, position_ids, main_ok, index, valid)
         return lower, main, streams, index, valid, carry, labels
+
+    def _offline_hidden(self, input_ids, attention_mask, labels, activations):
+        """`_hidden` from stored activations (lossless mode): the hidden states at the input of layer
+        N−Ns at the carrying positions, the MSA layers' main keys and values, and what the main
+        stream predicted; only the stream rows run. Returns (lower, streams, index, valid, labels,
+        stored, carry)."""
+        self._require_lossless("offline training (activations)")
+        real, labels = self._check_inputs(input_ids, attention_mask, labels)
+        stored = check_activations(activations, input_ids.shape, len(self.layers) - self.num_lower_layers)
+        carry = carrying_positions(real, labels)
+        index, valid = stream_slots(carry)
+        position_ids = position_ids_from_mask(real)
+        main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
+        lower = stored["hidden"]
+        origin = lower.gather(1, index[:, :, None].expand(*index.shape, lower.shape[-1]))
+        layers = range(self.num_lower_layers, len(self.layers))
+        prefix = KVPrefix({i: stored["keys"][:, n] for n, i in enumerate(layers)},
+                          {i: stored["values"][:, n] for n, i in enumerate(layers)})
+        streams = self.run_streams(origin, position_ids, main_ok, index, valid, prefix)
+        return lower, streams, index, valid, labels, stored, carry
 
     def _check_inputs(self, input_ids, attention_mask, labels):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:

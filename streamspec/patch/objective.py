@@ -14,17 +14,27 @@ if TYPE_CHECKING:
     from .model import StreamedModel
 
 
-def loss_terms(model: "StreamedModel", lower, main, streams, index, valid, labels):
+def loss_terms(model: "StreamedModel", lower, main, streams, index, valid, labels, own=None):
     """The loss terms ``(name, hidden, targets, weight, transform)``: main, each stream, and
-    the early exit last. `transform` maps selected hidden rows to what the LM head takes."""
+    the early exit last. `transform` maps selected hidden rows to what the LM head takes.
+
+    Offline training passes ``main=None`` (the main term is stored, see `offline_total_loss`) and
+    `own`, the stored `main_predictions`."""
     cfg = model.stream_config
     batch = labels.shape[0]
     ignore = labels.new_full((batch, 1), -100)
     next_labels = torch.cat([labels[:, 1:], ignore], dim=1)  # target of position t is labels[t+1]
     norm = getattr(model.decoder, model.arch.norm)
-    terms = [("main", main, next_labels, cfg.main_weight, norm)]
+    terms = [] if main is None else [("main", main, next_labels, cfg.main_weight, norm)]
     # Stream j of the slot at position t predicts labels[t+1+j]; past the end there is none.
-    targets_of = labels if cfg.stream_targets == "labels" else main_predictions(model, main, next_labels, norm)
+    if cfg.stream_targets == "labels":
+        targets_of = labels
+    elif own is not None:
+        targets_of = own
+    elif main is not None:
+        targets_of = main_predictions(model, main, next_labels, norm)
+    else:
+        raise ValueError("stream_targets='main' offline needs the stored main predictions ('own')")
     padded = torch.cat([targets_of, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
     for j, weight in enumerate(cfg.stream_weights, start=1):
         targets = padded.gather(1, index + 1 + j).masked_fill(~valid, -100)
@@ -76,3 +86,56 @@ def _term_losses(head, terms, chunk, freeze_head=False):
     )
     means = [(ce.sum() / max(count, 1)).detach() for ce, count in zip(per_row.split(counts), counts)]
     return loss, means
+
+
+# ----------------------------------------------------------------------------- offline training
+# Stored activations of a batch (`streamspec.training.activations.ActivationCollator`):
+#   hidden [B, T, h]   at the input of layer N−Ns (streams) or after the last layer (Medusa
+#                      heads), at the positions some loss term reads (zeros elsewhere);
+#   main_ce [B, T]     float32, the main stream's CE at t for the token at t+1 (0 without one);
+#   own [B, T]         `main_predictions` (-100 without one);
+#   keys, values [B, Ns, kv_heads, T, head_dim]  the MSA layers' main keys and values (streams).
+_STORED = ("hidden", "main_ce", "own")
+
+
+def check_activations(activations: dict, shape: tuple[int, int], num_msa_layers: int | None) -> dict:
+    """The batch's stored activations, checked against the batch's [B, T] shape."""
+    if not isinstance(activations, dict):
+        raise TypeError(f"activations must be a dict of tensors, got {type(activations).__name__}")
+    wanted = _STORED + (("keys", "values") if num_msa_layers else ())
+    missing = [k for k in wanted if k not in activations]
+    if missing:
+        raise ValueError(f"activations lack {missing} (have {sorted(activations)})")
+    for name in wanted:
+        got = tuple(activations[name].shape)
+        ok = got[:2] == shape if name in _STORED else (len(got) == 5 and got[:2] == (shape[0], num_msa_layers)
+                                                        and got[3] == shape[1])
+        if not ok:
+            raise ValueError(f"activations[{name!r}] has shape {got}, which does not fit a batch of shape {shape}"
+                             + (f" with {num_msa_layers} MSA layers" if name not in _STORED else ""))
+    return activations
+
+
+def stored_main_mean(labels: torch.Tensor, stored: dict) -> torch.Tensor:
+    """The main term's mean CE from the stored per-position CE (a constant: the base is frozen)."""
+    keep = labels[:, 1:] != -100
+    ce = stored["main_ce"][:, :-1][keep]
+    return (ce.sum() / max(int(keep.sum()), 1)).detach()
+
+
+def stored_main_counts(labels: torch.Tensor, stored: dict) -> dict[str, float]:
+    """Validation sums of the main term (as `evaluate_counts` gives them) from stored values:
+    the main stream's top-1 at t is ``own[t+1]``."""
+    keep = labels[:, 1:] != -100
+    correct = (stored["own"][:, 1:] == labels[:, 1:]) & keep
+    return {"main_loss_sum": float(stored["main_ce"][:, :-1][keep].sum()), "main_correct": int(correct.sum()),
+            "main_count": int(keep.sum())}
+
+
+def offline_total_loss(model: "StreamedModel", lower, streams, index, valid, labels, stored, carry, chunk):
+    """`total_loss` of the online path from stored activations: the stream and early-exit terms
+    computed, the main term read from the stored CE (with its weight: it adds a constant)."""
+    terms = loss_terms(model, lower, None, streams, index, valid, labels, own=stored.get("own"))
+    loss, parts = total_loss(model, terms, chunk)
+    main = stored_main_mean(labels, stored)
+    return loss + model.stream_config.main_weight * main, {"main": main, **parts}

@@ -103,9 +103,16 @@ class DataArgs:
     # train on the model's own completions of the task's prompts (lossless streams): see
     # `streamspec.data.distill`; the set is built (and cached) before training starts
     distill: DistillArgs = field(default_factory=DistillArgs)
+    # offline training (lossless streams, Medusa heads): what the frozen base computes on the
+    # examples is computed once and stored (`streamspec.training.activations`), in the cache or
+    # in `activations_path`; steps then run only the streams or heads
+    cache_activations: bool = False
+    activations_path: str | None = None
 
     def __post_init__(self) -> None:
         _choice("data.task", self.task, TASKS)
+        if self.activations_path and not self.cache_activations:
+            raise ValueError("data.activations_path goes with data.cache_activations=true")
         _choice("data.overflow", self.overflow, OVERFLOW)
         _positive("data.max_length", self.max_length)
         if self.task == "custom" and (self.path is None) == (self.dataset is None):
@@ -196,6 +203,11 @@ class Recipe:
             return
         if self.streams is not None and self.streams.mode == "lossless" and self.lora.enabled:
             raise ValueError("streams.mode 'lossless' keeps the base frozen: set lora.enabled=false")
+        if self.data.cache_activations and (self.streams is None or self.streams.mode != "lossless"):
+            raise ValueError("data.cache_activations stores what the frozen base computes: it needs streams.mode "
+                             "'lossless' or a medusa section (in shared mode and next-token training the base trains)")
+        if self.data.cache_activations and self.training.deepspeed:
+            raise ValueError("data.cache_activations trains only the streams on one process: remove training.deepspeed")
         if self.data.distill.enabled and (self.streams is None or self.streams.mode != "lossless"):
             raise ValueError("data.distill trains drafts on the model's own outputs: it needs streams.mode 'lossless' "
                              "or a medusa section (a fine-tune on its own outputs would learn nothing new)")

@@ -307,10 +307,28 @@ def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
     load_stream_weights(model, folder / WEIGHTS_FILE)
 
 
+def offline_datasets(model, train_set, validation_set, pad_id: int, path: str | None, batch_size: int):
+    """Offline training (``data.cache_activations``): the store of the train and validation
+    examples' activations (built on first use, in one store), the sets with each row's index in
+    it, and the collator that reads it."""
+    from .activations import ActivationCollator, INDEX_COLUMN, build_activation_store
+
+    train_rows = train_set.to_list()
+    validation_rows = validation_set.to_list() if validation_set is not None else []
+    store = build_activation_store(model, train_rows + validation_rows, path=path, batch_size=batch_size)
+    logger.warning("offline training: activations of %d examples in %s (%.1f MB)", len(store), store.folder,
+                   store.bytes() / 1e6)
+    train_set = train_set.add_column(INDEX_COLUMN, list(range(len(train_rows))))
+    if validation_set is not None:
+        validation_set = validation_set.add_column(INDEX_COLUMN, list(range(len(train_rows), len(store))))
+    return train_set, validation_set, ActivationCollator(pad_id, store)
+
+
 def evaluation_counts(model, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Validation sums for one batch; a next-token model has only the ``main`` term."""
     if isinstance(model, (StreamedModel, MedusaModel)):
-        return model.evaluate_counts(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        return model.evaluate_counts(batch["input_ids"], batch["attention_mask"], batch["labels"],
+                                     activations=batch.get("activations"))
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
     targets = batch["labels"][:, 1:]
@@ -403,6 +421,10 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     train_set, validation_set = build_datasets(recipe, tokenizer)
     if validation_set is None:
         args.eval_strategy = "no"
+    collator = PadCollator(tokenizer.pad_token_id)
+    if recipe.data.cache_activations:
+        train_set, validation_set, collator = offline_datasets(model, train_set, validation_set, tokenizer.pad_token_id,
+                                                               recipe.data.activations_path, recipe.training.eval_batch_size)
     if recipe.training.gradient_checkpointing and isinstance(model, StreamedModel):
         model.hf_model.gradient_checkpointing_enable()
     trainer = StreamTrainer(
@@ -410,7 +432,7 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
         args=args,
         train_dataset=train_set,
         eval_dataset=validation_set,
-        data_collator=PadCollator(tokenizer.pad_token_id),
+        data_collator=collator,
         processing_class=tokenizer,
         stream_learning_rate=recipe.training.stream_learning_rate,
     )

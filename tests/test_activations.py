@@ -1,0 +1,249 @@
+"""Offline training (`data.cache_activations`): what the frozen base computes is stored once and
+the streams (or Medusa heads) train from the store with the same losses and gradients as the
+online path, on tiny random models of every architecture; a store built for another base or
+other examples is refused, a killed build resumes, and a recipe trains end to end offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ARCHS, make_model
+from streamspec import StreamConfig, add_streams
+from streamspec.data.build import PadCollator
+from streamspec.patch.medusa import MedusaConfig, add_medusa_heads
+from streamspec.training.activations import (
+    INDEX_COLUMN,
+    SHARD_SIZE,
+    STORE_FILE,
+    ActivationCollator,
+    build_activation_store,
+    compute_activations,
+    needed_positions,
+    open_activation_store,
+    with_activation_index,
+)
+from streamspec.training.recipe import load_recipe, recipe_from_dict
+from streamspec.training.trainer import evaluation_counts, run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _examples(count: int, seed: int, vocab: int = 96) -> list[dict]:
+    """Rows of different lengths, a prompt (no labels) then a completion."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        prompt, completion = int(torch.randint(3, 9, (1,), generator=gen)), int(torch.randint(2, 8, (1,), generator=gen))
+        ids = torch.randint(0, vocab, (prompt + completion,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return rows
+
+
+def _streamed(arch: str, **config):
+    settings = dict(num_streams=3, stream_layers=2, mode="lossless", main_weight=0.3, stream_targets="main",
+                    stream_adapter_rank=4)
+    settings.update(config)
+    model = add_streams(make_model(arch), StreamConfig(**settings))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # trained-looking stream weights (the adapters' up projection starts at zero)
+        for p in model.streams.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def _offline_batch(model, rows):
+    """The collated batch with its activations, as offline training sees it (no store on disk)."""
+    batch = PadCollator(0)(rows)
+    stored = compute_activations(model, **batch)
+
+    class Store:
+        folder = "memory"
+
+        def __getitem__(self, i):
+            return stored[i]
+
+    collator = ActivationCollator(0, Store())
+    return collator(with_activation_index(rows))
+
+
+class _base_never_runs_below:
+    """Offline, the embeddings and lower layers must not run (their output is stored)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        def refuse(*args, **kwargs):
+            raise AssertionError("the lower layers ran offline")
+
+        self.handles = [m.register_forward_pre_hook(refuse) for m in self.model.layers[: self.model.num_lower_layers]]
+        self.handles.append(self.model.hf_model.get_input_embeddings().register_forward_pre_hook(refuse))
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def _trainable_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def _loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, _trainable_grads(model)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", [dict(), dict(stream_targets="labels", stream_adapter_rank=None),
+                                    dict(stream_init="value_rotation", stream_adapter_rank=None)],
+                         ids=["adapters-main-targets", "labels-targets", "value-rotation"])
+def test_offline_streams_give_the_online_losses_and_gradients(arch, config):
+    model = _streamed(arch, **config)
+    rows = _examples(5, seed=3)
+    batch = _offline_batch(model, rows)
+    plain = {k: v for k, v in batch.items() if k != "activations"}
+
+    online, online_grads = _loss_and_grads(model, **plain)
+    with _base_never_runs_below(model):
+        offline, offline_grads = _loss_and_grads(model, **batch)
+
+    assert set(offline.loss_parts) == set(online.loss_parts)
+    for name, value in online.loss_parts.items():
+        assert torch.allclose(offline.loss_parts[name], value, atol=1e-5, rtol=1e-5), name
+    assert torch.allclose(offline.loss, online.loss, atol=1e-5, rtol=1e-5)
+    assert set(offline_grads) == set(online_grads) and online_grads
+    for name, grad in online_grads.items():
+        assert torch.allclose(offline_grads[name], grad, atol=1e-5, rtol=1e-4), name
+    # the base never trains, and validation counts agree too
+    assert not any(p.requires_grad for p in model.base.parameters())
+    online_counts = evaluation_counts(model, plain)
+    offline_counts = evaluation_counts(model, batch)
+    assert set(online_counts) == set(offline_counts)
+    for key, value in online_counts.items():
+        assert offline_counts[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_offline_medusa_heads_give_the_online_losses_and_gradients(arch):
+    model = add_medusa_heads(make_model(arch), MedusaConfig(num_heads=3))
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    rows = _examples(4, seed=5)
+    batch = _offline_batch(model, rows)
+    plain = {k: v for k, v in batch.items() if k != "activations"}
+    online, online_grads = _loss_and_grads(model, **plain)
+    with _base_never_runs_below(model):
+        offline, offline_grads = _loss_and_grads(model, **batch)
+    assert torch.allclose(offline.loss, online.loss, atol=1e-6, rtol=1e-6)
+    for name, grad in online_grads.items():
+        assert torch.allclose(offline_grads[name], grad, atol=1e-6, rtol=1e-5), name
+    online_counts, offline_counts = evaluation_counts(model, plain), evaluation_counts(model, batch)
+    for key, value in online_counts.items():
+        assert offline_counts[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
+
+
+def test_stored_rows_are_only_those_a_loss_reads():
+    labels = torch.tensor([-100, -100, -100, 5, 6, 7, -100])
+    assert needed_positions(labels, 0).tolist() == [False, False, True, True, True, False, False]
+    # Medusa head k at t learns the token at t+1+k: with 2 heads, two more prompt positions
+    assert needed_positions(labels, 2).tolist() == [True, True, True, True, True, False, False]
+
+
+def test_shared_mode_and_wrong_activations_are_refused():
+    shared = add_streams(make_model("llama"), StreamConfig(num_streams=2, stream_layers=1, mode="shared"))
+    rows = _examples(2, seed=0)
+    with pytest.raises(ValueError, match="lossless"):
+        build_activation_store(shared, rows, path="unused")
+    model = _streamed("llama")
+    batch = _offline_batch(model, rows)
+    bad = dict(batch["activations"], keys=batch["activations"]["keys"][:, :1])
+    with pytest.raises(ValueError, match="keys"):
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+              activations=bad)
+    with pytest.raises(ValueError, match="lack"):
+        model(input_ids=batch["input_ids"], labels=batch["labels"], activations={"hidden": bad["hidden"]})
+
+
+def test_store_round_trip_refusals_and_resume(tmp_path):
+    model = _streamed("qwen2")
+    rows = _examples(SHARD_SIZE + 5, seed=7)  # two shards
+    folder = tmp_path / "store"
+    store = build_activation_store(model, rows, path=folder, batch_size=8, progress=False)
+    assert len(store) == len(rows) and store.bytes() > 0
+    meta = json.loads((folder / STORE_FILE).read_text())
+    assert meta["complete"] and meta["settings"]["examples"] == len(rows) and meta["command"]
+    expected = compute_activations(model, **PadCollator(0)(rows[3:4]))[0]
+    for key, value in expected.items():
+        assert torch.allclose(store[3][key].to(value.dtype), value, atol=1e-5), key
+
+    # refused: another base of the same shape, other examples
+    with pytest.raises(ValueError, match="weights_sha256"):
+        open_activation_store(folder, add_streams(make_model("qwen2", seed=1), model.stream_config), rows)
+    with pytest.raises(ValueError, match="examples"):
+        open_activation_store(folder, model, rows[:-1])
+    with pytest.raises(ValueError, match="other settings"):
+        build_activation_store(model, rows[1:], path=folder, progress=False)
+
+    # a killed build: the second shard missing, the first kept as it was
+    (folder / "shard-00001.safetensors").unlink()
+    meta["complete"] = False
+    (folder / STORE_FILE).write_text(json.dumps(meta))
+    first = (folder / "shard-00000.safetensors").stat().st_mtime_ns
+    with pytest.raises(ValueError, match="incomplete"):
+        open_activation_store(folder, model, rows)
+    again = build_activation_store(model, rows, path=folder, batch_size=8, progress=False)
+    assert (folder / "shard-00000.safetensors").stat().st_mtime_ns == first
+    assert torch.equal(again[SHARD_SIZE + 2]["hidden"], store[SHARD_SIZE + 2]["hidden"])
+
+    # a row whose text is not the stored one is refused by the collator
+    collator = ActivationCollator(0, open_activation_store(folder, model, rows))
+    wrong = {**rows[0], "input_ids": rows[1]["input_ids"], "labels": rows[1]["labels"], INDEX_COLUMN: 0}
+    with pytest.raises(ValueError, match="other text"):
+        collator([wrong])
+
+
+def test_recipe_key_checks():
+    with pytest.raises(ValueError, match="cache_activations"):
+        recipe_from_dict({"streams": {"mode": "shared"}, "data": {"cache_activations": True}})
+    with pytest.raises(ValueError, match="cache_activations"):
+        recipe_from_dict({"streams": None, "data": {"cache_activations": True}})
+    with pytest.raises(ValueError, match="activations_path"):
+        recipe_from_dict({"data": {"activations_path": "x"}})
+    ok = recipe_from_dict({"streams": {"mode": "lossless", "main_weight": 0.0}, "lora": {"enabled": False},
+                           "data": {"cache_activations": True}})
+    assert ok.data.cache_activations
+
+
+def _offline_overrides(tiny_dir, out, **extra):
+    values = {
+        "model.name_or_path": str(tiny_dir), "training.output_dir": str(out), "training.max_steps": 4,
+        "training.save_steps": 2, "training.logging_steps": 1, "training.eval_steps": 2, "training.batch_size": 2,
+        "training.report_to": "none", "data.max_train_examples": 8, "data.max_validation_examples": 4,
+        "data.max_length": 512, "data.distill.enabled": "false", "streams.stream_targets": "labels",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def test_offline_recipe_trains_the_same_curve_as_online(tiny_dir, tmp_path):
+    recipe_path = ROOT / "recipes" / "smollm2-135m" / "sql_streams_distilled.yaml"
+    online = run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "online")))
+    offline = run_training(load_recipe(recipe_path, _offline_overrides(
+        tiny_dir, tmp_path / "offline", **{"data.cache_activations": "true",
+                                           "data.activations_path": str(tmp_path / "store")})))
+    assert offline["steps"] == online["steps"] == 4
+    history = {}
+    for name in ("online", "offline"):
+        state = json.loads((tmp_path / name / "checkpoint-4" / "trainer_state.json").read_text())
+        history[name] = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert history["offline"] == pytest.approx(history["online"], rel=1e-4)
+    assert offline["validation"][-1]["eval_stream_1_top1"] == pytest.approx(online["validation"][-1]["eval_stream_1_top1"])
+    assert (tmp_path / "store" / STORE_FILE).is_file()
