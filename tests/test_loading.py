@@ -323,3 +323,17 @@ def test_cuda_bf16(streamed_dirs):
     for k in (1, 3, (3, 1, 1)):
         out = generate(loaded.model, prompt, 16, tree_top_k=k).tokens
         _same_up_to_a_near_tie(fp32, loaded.model, prompt, reference, out)
+
+
+def test_every_checkpoint_reader_takes_shipped_names():
+    """`streamspec export --checkpoint` and `distill --decoder` read checkpoints through the same
+    resolver as `generate` and `eval`: a shipped name works wherever a folder does."""
+    from streamspec.assets import SHIPPED_STREAMS, shipped_streams_path
+    from streamspec.patch.checkpoint import checkpoint_folder, read_checkpoint_meta, recorded_base
+
+    name = f"streamspec:{SHIPPED_STREAMS}"
+    assert checkpoint_folder(name) == shipped_streams_path()
+    assert read_checkpoint_meta(name) == read_checkpoint_meta(shipped_streams_path())
+    assert recorded_base(name) == recorded_base(shipped_streams_path())
+    with pytest.raises(Exception, match="stream_config.json"):
+        read_checkpoint_meta("streamspec:no-such-streams")

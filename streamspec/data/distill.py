@@ -48,6 +48,13 @@ class DistillArgs:
     path: str | None = None  # where the set is kept; default: the cache (`distilled_set_path`)
     # a streamed checkpoint of the same model to decode faster with; outputs are the model's own
     decoder: str | None = None
+    # decode on an OpenAI-compatible server instead (URL of vLLM, SGLang, `streamspec serve`...,
+    # or llama.cpp:GGUF for an in-process llama.cpp server): the text may differ from the
+    # model's own greedy text where the server's weights are quantised; with stream_targets:
+    # main the targets are still the model's own predictions on that text
+    server: str | None = None
+    server_threads: int = 1  # llama.cpp:GGUF only
+    server_parallel: int = 4  # requests in flight (llama.cpp: its slots)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -60,7 +67,9 @@ class DistillArgs:
             raise ValueError(f"data.distill.temperature must be >= 0, got {self.temperature!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"data.distill.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens!r}")
-        for name in ("questions_per_database", "max_new_tokens", "batch_size"):
+        if self.server is not None and self.decoder is not None:
+            raise ValueError("data.distill.server and data.distill.decoder are exclusive: the text comes from one engine")
+        for name in ("questions_per_database", "max_new_tokens", "batch_size", "server_threads", "server_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.distill.{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -75,7 +84,10 @@ class DistillArgs:
     def settings(self) -> dict:
         """What decides the set's content (the cache key, with the model and the task)."""
         keep = ("sources", "questions_per_database", "samples", "temperature", "max_new_tokens", "max_prompt_tokens", "seed")
-        return {k: v for k, v in asdict(self).items() if k in keep}
+        settings = {k: v for k, v in asdict(self).items() if k in keep}
+        if self.server is not None:  # another engine's text is another set
+            settings["server"] = self.server
+        return settings
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -46,11 +46,20 @@ def _same_fingerprint(recorded: list[float], actual: list[float]) -> bool:
     return len(recorded) == len(actual) and all(abs(a - b) <= 0.02 * abs(a) + 1e-3 * scale for a, b in zip(recorded, actual))
 
 
+def checkpoint_folder(source: str | Path) -> Path:
+    """The folder of a streamed checkpoint: a path, or the name of shipped stream weights
+    (``streamspec:smollm2-135m-sql-streams``). Every reader of checkpoints resolves through this,
+    so a source that one command takes, every command takes."""
+    from ..assets import shipped_or_path
+
+    return Path(shipped_or_path(str(source)))
+
+
 def recorded_base(folder: str | Path, meta: dict[str, Any] | None = None) -> str | None:
     """The base a checkpoint names: the folder itself when merged; else the recorded name or
     path, or, when that path does not exist here (the checkpoint was moved or copied to another
     machine), the same base found at the path recorded relative to the checkpoint."""
-    folder = Path(folder)
+    folder = checkpoint_folder(folder)
     meta = meta or read_checkpoint_meta(folder)
     if meta.get("merged"):
         return str(folder)
@@ -64,7 +73,7 @@ def recorded_base(folder: str | Path, meta: dict[str, Any] | None = None) -> str
 
 def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
     """The parsed ``stream_config.json`` of a streamed checkpoint, checked for format."""
-    path = Path(directory) / CONFIG_FILE
+    path = checkpoint_folder(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a streamed checkpoint: {CONFIG_FILE} is missing")
     meta = json.loads(path.read_text())
@@ -96,7 +105,7 @@ def load_streamed(
     """
     from ..assets import load_base_model
 
-    folder = Path(directory)
+    folder = checkpoint_folder(directory)
     meta = read_checkpoint_meta(folder)
     recorded = meta["base_model"]
     if base_model is None:
@@ -239,7 +248,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, merge: bool = Fal
     `streamspec.devices.base_dtype`). The result is loaded back and checked."""
     from ..devices import dtype_or_base
 
-    folder = Path(checkpoint)
+    folder = checkpoint_folder(checkpoint)
     meta = read_checkpoint_meta(folder)
     precision = dtype_or_base(dtype, recorded_base(folder, meta))
     model = load_streamed(folder, dtype=precision)

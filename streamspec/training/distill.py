@@ -52,13 +52,8 @@ def build_distilled_set(
 
 def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | None, device: str, dtype: str,
            progress: bool) -> Path:
-    import torch
     from tqdm.auto import tqdm
 
-    from ..config import StreamConfig
-    from ..decoding.generate import generate
-    from ..loading import load_for_inference
-    from ..patch.model import add_streams
     from ..data.build import prompt_ids
 
     meta = {"model": _model_key(model), "task": task, "settings": args.settings()}
@@ -84,10 +79,40 @@ def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | No
     todo = sorted((e for e in encoded if _row_key(e[1], e[2]) not in done), key=lambda e: -len(e[0]))
     path.parent.mkdir(parents=True, exist_ok=True)
     if not meta_path.is_file():  # the command that started the set (a resume keeps it)
-        meta_path.write_text(json.dumps({**meta, "command": " ".join(sys.argv), "decoder": args.decoder}, indent=2))
+        meta_path.write_text(json.dumps({**meta, "command": " ".join(sys.argv), "decoder": args.decoder,
+                                         "server": args.server}, indent=2))
     if not todo:
         logger.warning("distilled set %s: complete, %d rows", path, len(done))
         return path
+
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), desc=f"distilling {task}" + (f" on {args.server}" if args.server else ""),
+               unit="prompt", disable=not progress)
+    with path.open("a", encoding="utf-8") as handle:
+        def write(row: dict, sample: int, text: str, ended: bool) -> None:
+            record = {**{k: v for k, v in row.items() if k not in ("schema",)}, "completion": text,
+                      "sample": sample, "ended": ended, "key": _row_key(row, sample)}
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+        if args.server:
+            written = _decode_on_server(args, tokenizer, todo, write, handle, bar)
+        else:
+            written = _decode_with_model(model, args, tokenizer, todo, write, handle, bar, device, dtype)
+    bar.close()
+    total = len(done) + written
+    logger.warning("distilled set %s: %d rows (%d new in %.0f s); command: %s", path, total, written,
+                   time.perf_counter() - start, " ".join(sys.argv))
+    return path
+
+
+def _decode_with_model(model: str, args: DistillArgs, tokenizer, todo, write, handle, bar, device, dtype) -> int:
+    """Greedy (or sampled) completions of `todo` with streamspec's own batch decoder."""
+    import torch
+
+    from ..config import StreamConfig
+    from ..decoding.generate import generate
+    from ..loading import load_for_inference
+    from ..patch.model import add_streams
 
     loaded = load_for_inference(args.decoder or model, device=device, dtype=dtype)
     streamed = loaded.model if loaded.streamed else add_streams(loaded.model, StreamConfig(num_streams=1, mode="lossless"))
@@ -98,40 +123,72 @@ def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | No
         if _model_key(base) != _model_key(model) or streamed.stream_config.mode != "lossless":
             raise ValueError(f"decoder {args.decoder} must hold lossless streams on {model} (it names base {base})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = todo
-    start, written = time.perf_counter(), 0
-    bar = tqdm(total=len(encoded), desc=f"distilling {task}", unit="prompt", disable=not progress)
-    with path.open("a", encoding="utf-8") as handle:
-        for i in range(0, len(encoded), args.batch_size):
-            chunk = encoded[i:i + args.batch_size]
-            width = max(len(ids) for ids, _, _ in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, (prompt, _, _) in enumerate(chunk):
-                ids[j, width - len(prompt):] = prompt
-                mask[j, width - len(prompt):] = 1
-            seed = args.seed * 1_000_003 + i
-            if len(chunk) == 1:
-                ids, mask = ids[:, mask[0].bool()], None
-            result = generate(streamed, ids.to(loaded.device), args.max_new_tokens, attention_mask=None if mask is None
-                              else mask.to(loaded.device), temperature=args.temperature, seed=seed,
-                              eos_token_id=tokenizer.eos_token_id, tree_top_k=1)
-            lengths = result.lengths if getattr(result, "lengths", None) is not None else [result.tokens.shape[1]]
-            for j, (_, row, sample) in enumerate(chunk):
-                tokens = result.tokens[j, :lengths[j]].tolist()
-                ended = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
-                text = tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=True).strip()
-                record = {**{k: v for k, v in row.items() if k not in ("schema",)}, "completion": text,
-                          "sample": sample, "ended": ended, "key": _row_key(row, sample)}
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-                written += 1
+    written = 0
+    for i in range(0, len(todo), args.batch_size):
+        chunk = todo[i:i + args.batch_size]
+        width = max(len(ids) for ids, _, _ in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, (prompt, _, _) in enumerate(chunk):
+            ids[j, width - len(prompt):] = prompt
+            mask[j, width - len(prompt):] = 1
+        seed = args.seed * 1_000_003 + i
+        if len(chunk) == 1:
+            ids, mask = ids[:, mask[0].bool()], None
+        result = generate(streamed, ids.to(loaded.device), args.max_new_tokens, attention_mask=None if mask is None
+                          else mask.to(loaded.device), temperature=args.temperature, seed=seed,
+                          eos_token_id=tokenizer.eos_token_id, tree_top_k=1)
+        lengths = result.lengths if getattr(result, "lengths", None) is not None else [result.tokens.shape[1]]
+        for j, (_, row, sample) in enumerate(chunk):
+            tokens = result.tokens[j, :lengths[j]].tolist()
+            ended = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
+            write(row, sample, tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=True).strip(), ended)
+            written += 1
+        handle.flush()
+        bar.update(len(chunk))
+    return written
+
+
+def server_completion(url: str, prompt: list[int], max_new_tokens: int, temperature: float, seed: int) -> tuple[str, bool]:
+    """One completion of the token ids `prompt` from an OpenAI-compatible server: (text, ended),
+    ended when the model stopped by itself (finish_reason 'stop') rather than at the limit."""
+    from ..llamacpp import post_json
+
+    answer = post_json(url.rstrip("/") + "/v1/completions", {
+        "prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+        "cache_prompt": True,
+    })
+    try:
+        choice = answer["choices"][0]
+    except (KeyError, IndexError, TypeError) as err:
+        raise RuntimeError(f"{url}/v1/completions answered without choices: {str(answer)[:300]}") from err
+    return choice.get("text", "").strip(), choice.get("finish_reason") == "stop"
+
+
+def _decode_on_server(args: DistillArgs, tokenizer, todo, write, handle, bar) -> int:
+    """Completions of `todo` from `args.server` (a URL, or llama.cpp:GGUF started here), with
+    `args.server_parallel` requests in flight; rows are written as they finish (a resume skips them)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    from contextlib import nullcontext
+
+    from ..llamacpp import LlamaCppServer, parse_llama_cpp
+
+    gguf = parse_llama_cpp(args.server)
+    engine = (LlamaCppServer(gguf, threads=args.server_threads, parallel=args.server_parallel) if gguf
+              else nullcontext(None))
+    written = 0
+    with engine as server, ThreadPoolExecutor(args.server_parallel) as pool:
+        url = server.url if server is not None else args.server
+        futures = {pool.submit(server_completion, url, [int(t) for t in prompt], args.max_new_tokens, args.temperature,
+                               args.seed * 1_000_003 + i): (row, sample) for i, (prompt, row, sample) in enumerate(todo)}
+        for future in as_completed(futures):
+            row, sample = futures[future]
+            text, ended = future.result()
+            write(row, sample, text, ended)
             handle.flush()
-            bar.update(len(chunk))
-    bar.close()
-    total = len(done) + written
-    logger.warning("distilled set %s: %d rows (%d new in %.0f s); command: %s", path, total, written,
-                   time.perf_counter() - start, " ".join(sys.argv))
-    return path
+            written += 1
+            bar.update(1)
+    return written
 
 
 @contextmanager
@@ -191,3 +248,52 @@ def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list
     if split == "validation":
         return [r for r in rows if r["source"] == "validation"]
     return [r for r in rows if r["source"] != "validation"]
+
+
+def server_agreement(model: str, task: str, args: DistillArgs, count: int = 20, device: str = "auto",
+                     dtype: str = "auto") -> dict:
+    """How often a server's greedy completions equal the model's own (streamspec's decoder) on the
+    first `count` prompts of the set's sources: the share of identical completions and the mean
+    share of each completion's tokens before the first difference."""
+    import dataclasses
+
+    from ..data.build import prompt_ids
+
+    if not args.server:
+        raise ValueError("server_agreement compares a server with the model: set args.server")
+    greedy = dataclasses.replace(args, temperature=0.0, samples=1)
+    rows = distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
+    tokenizer = _tokenizer(model)
+    todo = [(prompt_ids(tokenizer, r)[0], r, 0) for r in rows]
+    if args.max_prompt_tokens is not None:
+        todo = [e for e in todo if len(e[0]) <= args.max_prompt_tokens]
+    todo = todo[:count]
+    texts: dict[str, dict[str, str]] = {"server": {}, "model": {}}
+
+    class _Sink:
+        def flush(self) -> None:
+            pass
+
+    class _Bar:
+        def update(self, n: int) -> None:
+            pass
+
+    for name in texts:
+        def write(row, sample, text, ended, name=name):
+            texts[name][_row_key(row, sample)] = text
+
+        if name == "server":
+            _decode_on_server(greedy, tokenizer, todo, write, _Sink(), _Bar())
+        else:
+            _decode_with_model(model, dataclasses.replace(greedy, server=None), tokenizer, todo, write, _Sink(), _Bar(),
+                               device, dtype)
+    identical, prefix = 0, []
+    for key, own in texts["model"].items():
+        other = texts["server"][key]
+        identical += own == other
+        a, b = tokenizer(own, add_special_tokens=False).input_ids, tokenizer(other, add_special_tokens=False).input_ids
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(common / max(len(a), 1))
+    return {"server": args.server, "compared": len(todo), "identical": identical,
+            "identical_share": round(identical / max(len(todo), 1), 3),
+            "mean_common_prefix_share": round(sum(prefix) / max(len(prefix), 1), 3)}

@@ -107,3 +107,83 @@ def train_step_time_ratio(steps: int = 6, batch: int = 4, seed: int = 0) -> dict
         "streams_seconds": round(medians["streams"], 3),
         "ratio": round(medians["streams"] / medians["next_token"], 3),
     }
+
+
+def offline_step_time(recipe_path: str, overrides: list[str] | None = None, steps: int = 6, store: str | None = None,
+                      dtypes: tuple[str, ...] = ("float32",)) -> dict:
+    """Seconds per training step (forward + backward) of a recipe online and offline
+    (``data.cache_activations``), on the same batches of the recipe's own training examples,
+    measured alternately in one process; also the loss of each path on each batch (they must
+    agree), the store's size and build time, and the seconds an epoch would take each way.
+
+    With ``dtypes=("float32", "bfloat16")`` the offline step is also timed on a bfloat16 copy of
+    the base (stored activations in bfloat16, float32 stream masters): mixed precision on CPUs
+    with native bf16 dot products.
+    """
+    import statistics
+    import tempfile
+
+    from ..data.build import PadCollator
+    from .activations import ActivationCollator, build_activation_store, with_activation_index
+    from .recipe import load_recipe
+    from .trainer import build_datasets, build_model
+
+    recipe = load_recipe(recipe_path, overrides)
+    batch = recipe.training.batch_size
+    torch.manual_seed(recipe.training.seed)
+    model, tokenizer = build_model(recipe)
+    model.train()
+    train_set, _ = build_datasets(recipe, tokenizer)
+    epoch_examples = len(train_set)
+    rows = train_set.to_list()[: (steps + 1) * batch]
+    pad = PadCollator(tokenizer.pad_token_id)
+    results: dict = {"recipe": str(recipe_path), "overrides": overrides or [], "batch": batch,
+                     "epoch_examples": epoch_examples, "threads": torch.get_num_threads()}
+    variants = {"online": (model, None)}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(store) if store else Path(tmp)
+        for dtype in dtypes:
+            variant = model if dtype == "float32" else _reduced_copy(recipe, model, dtype)
+            start = time.perf_counter()
+            built = build_activation_store(variant, rows, path=folder / dtype, batch_size=batch)
+            results[f"store_{dtype}"] = {"seconds": round(time.perf_counter() - start, 1), "bytes": built.bytes(),
+                                         "bytes_per_example": round(built.bytes() / len(rows))}
+            variants[f"offline_{dtype}"] = (variant, ActivationCollator(tokenizer.pad_token_id, built))
+        indexed = with_activation_index(rows)
+        batches = [indexed[i : i + batch] for i in range(0, len(indexed) - batch + 1, batch)]
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        losses: dict[str, list[float]] = {name: [] for name in variants}
+        for i, rows_of_batch in enumerate(batches):  # the first batch warms every variant up, untimed
+            for name, (m, collate) in variants.items():
+                inputs = (collate or pad)(rows_of_batch)
+                start = time.perf_counter()
+                loss = m(**inputs).loss
+                loss.backward()
+                elapsed = time.perf_counter() - start
+                m.zero_grad(set_to_none=True)
+                if i > 0:
+                    times[name].append(elapsed)
+                    losses[name].append(round(float(loss), 5))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    for name, seconds in medians.items():
+        results[name] = {"seconds_per_step": round(seconds, 3),
+                         "seconds_per_epoch": round(seconds * epoch_examples / batch),
+                         "speedup_over_online": round(medians["online"] / seconds, 2), "losses": losses[name]}
+    return results
+
+
+def _reduced_copy(recipe, model, dtype: str):
+    """A copy of the recipe's model on a base of another dtype, with the same trainable weights."""
+    import copy
+
+    from .trainer import build_model
+
+    other = copy.deepcopy(recipe)
+    other.model.dtype = dtype
+    reduced, _ = build_model(other)
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in reduced.named_parameters():
+            if p.requires_grad:
+                p.copy_(own[name])
+    return reduced.train()

@@ -1,0 +1,64 @@
+"""llama.cpp as an engine (the `xllamacpp` wheel, an in-process server on the default model's own
+GGUF): the server starts on 127.0.0.1 and answers token-id prompts; `streamspec distill --server`
+builds a set from it that resumes and is keyed apart from the model's own; bad sources are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamspec.data.distill import DistillArgs, distilled_set_path, read_distilled
+from streamspec.llamacpp import LlamaCppServer, gguf_path, parse_llama_cpp, server_model_id
+from streamspec.training.distill import build_distilled_set, server_completion
+
+pytest.importorskip("xllamacpp")
+SERVER = "llama.cpp:streamspec:SmolLM2-135M-Instruct"
+
+
+def test_sources_and_refusals(tmp_path):
+    assert parse_llama_cpp(SERVER) == "streamspec:SmolLM2-135M-Instruct" and parse_llama_cpp("http://x") is None
+    assert gguf_path("streamspec:SmolLM2-135M-Instruct").read_bytes()[:4] == b"GGUF"
+    with pytest.raises(FileNotFoundError):
+        gguf_path(str(tmp_path / "missing.gguf"))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="GGUF magic"):
+        gguf_path(str(fake))
+    with pytest.raises(ValueError, match="no built-in GGUF here"):
+        gguf_path("streamspec:NoSuchModel")
+    with pytest.raises(ValueError, match="threads"):
+        LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=0)
+    with pytest.raises(ValueError, match="exclusive"):
+        DistillArgs(enabled=True, server=SERVER, decoder="some/checkpoint")
+
+
+def test_server_answers_token_prompts_and_greedy_is_deterministic():
+    with LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1, parallel=2) as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        assert server_model_id(server.url)
+        prompt = [1, 9690, 198, 2683, 359, 253]
+        first = server_completion(server.url, prompt, 12, 0.0, 0)
+        assert first == server_completion(server.url, prompt, 12, 0.0, 0)
+        assert isinstance(first[0], str) and first[0] and first[1] is False  # 12 tokens: stopped at the limit
+    assert server.url is None
+
+
+def test_distill_on_a_llama_cpp_server_resumes_and_is_its_own_set(tmp_path):
+    args = DistillArgs(enabled=True, sources=["validation"], max_new_tokens=8, server=SERVER, server_parallel=2)
+    own = DistillArgs(enabled=True, sources=["validation"], max_new_tokens=8)
+    model = "streamspec:SmolLM2-135M-Instruct"
+    assert distilled_set_path(model, "sql", args) != distilled_set_path(model, "sql", own)
+    out = tmp_path / "set.jsonl"
+    build_distilled_set(model, "sql", args, out=out, limit=2, progress=False)
+    rows = read_distilled(out)
+    assert len(rows) == 2 and all(r["completion"] and r["source"] == "validation" for r in rows)
+    meta = json.loads(out.with_name(out.name + ".meta.json").read_text())
+    assert meta["server"] == SERVER and meta["settings"]["server"] == SERVER
+    # resumed: the two rows kept as they were, one more prompt decoded
+    build_distilled_set(model, "sql", args, out=out, limit=3, progress=False)
+    again = read_distilled(out)
+    assert len(again) == 3 and again[:2] == rows
+    # the same file with other settings (the model's own engine) is refused
+    with pytest.raises(ValueError, match="other settings"):
+        build_distilled_set(model, "sql", own, out=out, limit=3, progress=False)
