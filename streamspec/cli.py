@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.add_argument("--questions-per-database", type=int, default=4, help="template questions per unused schema")
     dist.add_argument("--samples", type=int, default=1, help="completions per prompt (>1 needs --temperature)")
     dist.add_argument("--temperature", type=float, default=0.0)
+    dist.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of sampled completions")
     dist.add_argument("--max-new-tokens", type=int, default=160)
     dist.add_argument("--max-prompt-tokens", type=int, default=None,
                       help="skip longer prompts (keep within the recipe's data.max_length)")
@@ -247,7 +248,7 @@ def _run(args) -> int:
         from .training.distill import build_distilled_set
 
         settings = DistillArgs(enabled=True, sources=args.sources, questions_per_database=args.questions_per_database,
-                               samples=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                               samples=args.samples, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                                max_prompt_tokens=args.max_prompt_tokens,
                                batch_size=args.batch_size, seed=args.seed, decoder=args.decoder, server=args.server,
                                server_threads=args.server_threads, server_parallel=args.server_parallel)

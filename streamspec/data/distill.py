@@ -39,6 +39,7 @@ class DistillArgs:
     questions_per_database: int = 4  # unused_databases: template questions per schema
     samples: int = 1  # completions per prompt (>1 needs temperature > 0)
     temperature: float = 0.0
+    top_p: float = 1.0  # nucleus sampling of the sampled completions
     max_new_tokens: int = 160
     # prompts longer than this many tokens are skipped (and counted): keep it within the
     # recipe's data.max_length, or their examples are dropped after costing a decode
@@ -65,6 +66,8 @@ class DistillArgs:
             raise ValueError("data.distill.samples > 1 needs data.distill.temperature > 0 (greedy completions repeat)")
         if self.temperature < 0:
             raise ValueError(f"data.distill.temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"data.distill.top_p must be in (0, 1], got {self.top_p!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"data.distill.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens!r}")
         if self.server is not None and self.decoder is not None:
@@ -85,6 +88,8 @@ class DistillArgs:
         """What decides the set's content (the cache key, with the model and the task)."""
         keep = ("sources", "questions_per_database", "samples", "temperature", "max_new_tokens", "max_prompt_tokens", "seed")
         settings = {k: v for k, v in asdict(self).items() if k in keep}
+        if self.top_p != 1.0:
+            settings["top_p"] = self.top_p
         if self.server is not None:  # another engine's text is another set
             settings["server"] = self.server
         return settings

@@ -136,8 +136,8 @@ def _decode_with_model(model: str, args: DistillArgs, tokenizer, todo, write, ha
         if len(chunk) == 1:
             ids, mask = ids[:, mask[0].bool()], None
         result = generate(streamed, ids.to(loaded.device), args.max_new_tokens, attention_mask=None if mask is None
-                          else mask.to(loaded.device), temperature=args.temperature, seed=seed,
-                          eos_token_id=tokenizer.eos_token_id, tree_top_k=1)
+                          else mask.to(loaded.device), temperature=args.temperature, top_p=args.top_p,
+                          seed=seed, eos_token_id=tokenizer.eos_token_id, tree_top_k=1)
         lengths = result.lengths if getattr(result, "lengths", None) is not None else [result.tokens.shape[1]]
         for j, (_, row, sample) in enumerate(chunk):
             tokens = result.tokens[j, :lengths[j]].tolist()
@@ -149,13 +149,14 @@ def _decode_with_model(model: str, args: DistillArgs, tokenizer, todo, write, ha
     return written
 
 
-def server_completion(url: str, prompt: list[int], max_new_tokens: int, temperature: float, seed: int) -> tuple[str, bool]:
+def server_completion(url: str, prompt: list[int], max_new_tokens: int, temperature: float, seed: int,
+                      top_p: float = 1.0) -> tuple[str, bool]:
     """One completion of the token ids `prompt` from an OpenAI-compatible server: (text, ended),
     ended when the model stopped by itself (finish_reason 'stop') rather than at the limit."""
     from ..llamacpp import post_json
 
     answer = post_json(url.rstrip("/") + "/v1/completions", {
-        "prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+        "prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
         "cache_prompt": True,
     })
     try:
@@ -180,7 +181,7 @@ def _decode_on_server(args: DistillArgs, tokenizer, todo, write, handle, bar) ->
     with engine as server, ThreadPoolExecutor(args.server_parallel) as pool:
         url = server.url if server is not None else args.server
         futures = {pool.submit(server_completion, url, [int(t) for t in prompt], args.max_new_tokens, args.temperature,
-                               args.seed * 1_000_003 + i): (row, sample) for i, (prompt, row, sample) in enumerate(todo)}
+                               args.seed * 1_000_003 + i, args.top_p): (row, sample) for i, (prompt, row, sample) in enumerate(todo)}
         for future in as_completed(futures):
             row, sample = futures[future]
             text, ended = future.result()
@@ -261,7 +262,7 @@ def server_agreement(model: str, task: str, args: DistillArgs, count: int = 20, 
 
     if not args.server:
         raise ValueError("server_agreement compares a server with the model: set args.server")
-    greedy = dataclasses.replace(args, temperature=0.0, samples=1)
+    greedy = dataclasses.replace(args, temperature=0.0, top_p=1.0, samples=1)
     rows = distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
     tokenizer = _tokenizer(model)
     todo = [(prompt_ids(tokenizer, r)[0], r, 0) for r in rows]
