@@ -62,3 +62,15 @@ def test_distill_on_a_llama_cpp_server_resumes_and_is_its_own_set(tmp_path):
     # the same file with other settings (the model's own engine) is refused
     with pytest.raises(ValueError, match="other settings"):
         build_distilled_set(model, "sql", own, out=out, limit=3, progress=False)
+
+
+def test_agreement_with_the_model_is_reported():
+    from streamspec.training.distill import server_agreement
+
+    args = DistillArgs(enabled=True, sources=["validation"], max_new_tokens=6, server=SERVER, server_parallel=2)
+    report = server_agreement("streamspec:SmolLM2-135M-Instruct", "sql", args, count=2, device="cpu", dtype="float32")
+    assert report["compared"] == 2 and 0 <= report["identical"] <= 2
+    assert 0.0 <= report["mean_common_prefix_share"] <= 1.0
+    assert report["identical_share"] == report["identical"] / 2
+    with pytest.raises(ValueError, match="server"):
+        server_agreement("streamspec:SmolLM2-135M-Instruct", "sql", DistillArgs(enabled=True), count=1)

@@ -147,3 +147,43 @@ def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer):
     out = generate(loaded.model, ids, 24, tree_top_k=(2, 1, 1), eos_token_id=eos)
     assert out.tokens[0].tolist() == plain[: out.tokens.shape[1]] and out.tokens.shape[1] == min(len(plain), 24)
     assert out.forward_passes < out.tokens.shape[1]  # trained streams: more than one token per pass
+
+
+def test_offline_training_gives_the_online_loss_and_gradients(base, tokenizer):
+    """Offline training (stored activations, `data.cache_activations`) on the real model and real
+    Spider text: the same loss parts and stream gradients as the online forward."""
+    from streamspec.training.activations import ActivationCollator, compute_activations, with_activation_index
+
+    input_ids, attention_mask, labels = _batch(tokenizer, [0, 5])
+    rows = [{"input_ids": ids[m.bool()].tolist(), "labels": lab[m.bool()].tolist()}
+            for ids, m, lab in zip(input_ids, attention_mask, labels)]
+    model = add_streams(base, StreamConfig(mode="lossless", main_weight=0.0, stream_adapter_rank=8,
+                                           stream_targets="main"))
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.streams.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        stored = compute_activations(model, input_ids, attention_mask, labels)
+
+        class Store:
+            folder = "memory"
+
+            def __getitem__(self, i):
+                return stored[i]
+
+        batch = ActivationCollator(tokenizer.pad_token_id, Store())(with_activation_index(rows))
+        results = []
+        for inputs in ({k: v for k, v in batch.items() if k != "activations"}, batch):
+            model.zero_grad(set_to_none=True)
+            out = model(**inputs)
+            out.loss.backward()
+            results.append((out, {n: p.grad.clone() for n, p in model.streams.named_parameters() if p.grad is not None}))
+        (online, online_grads), (offline, offline_grads) = results
+        for name, value in online.loss_parts.items():
+            assert torch.allclose(offline.loss_parts[name], value, rtol=1e-4, atol=1e-4), name
+        assert online_grads and set(online_grads) == set(offline_grads)
+        for name, grad in online_grads.items():
+            assert torch.allclose(offline_grads[name], grad, rtol=1e-3, atol=1e-5 * grad.abs().max()), name
+    finally:
+        model.remove_stream_modules()  # the module's `base` fixture is shared
