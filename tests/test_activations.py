@@ -100,34 +100,34 @@ def _loss_and_grads(model, **inputs):
     return out, _trainable_grads(model)
 
 
+def _assert_offline_equals_online(model, rows, tol: float) -> None:
+    """Loss (and its parts), gradients of every trainable weight and validation counts of the
+    offline path equal the online path's on the same batch; offline, the lower layers never run."""
+    batch = _offline_batch(model, rows)
+    plain = {k: v for k, v in batch.items() if k != "activations"}
+    online, online_grads = _loss_and_grads(model, **plain)
+    with _base_never_runs_below(model):
+        offline, offline_grads = _loss_and_grads(model, **batch)
+    assert set(offline.loss_parts) == set(online.loss_parts)
+    for name, value in online.loss_parts.items():
+        assert torch.allclose(offline.loss_parts[name], value, atol=tol, rtol=tol), name
+    assert torch.allclose(offline.loss, online.loss, atol=tol, rtol=tol)
+    assert set(offline_grads) == set(online_grads) and online_grads
+    for name, grad in online_grads.items():
+        assert torch.allclose(offline_grads[name], grad, atol=tol, rtol=10 * tol), name
+    assert not any(p.requires_grad for p in model.base.parameters())  # the base never trains
+    online_counts, offline_counts = evaluation_counts(model, plain), evaluation_counts(model, batch)
+    assert set(online_counts) == set(offline_counts)
+    for key, value in online_counts.items():
+        assert offline_counts[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("config", [dict(), dict(stream_targets="labels", stream_adapter_rank=None),
                                     dict(stream_init="value_rotation", stream_adapter_rank=None)],
                          ids=["adapters-main-targets", "labels-targets", "value-rotation"])
 def test_offline_streams_give_the_online_losses_and_gradients(arch, config):
-    model = _streamed(arch, **config)
-    rows = _examples(5, seed=3)
-    batch = _offline_batch(model, rows)
-    plain = {k: v for k, v in batch.items() if k != "activations"}
-
-    online, online_grads = _loss_and_grads(model, **plain)
-    with _base_never_runs_below(model):
-        offline, offline_grads = _loss_and_grads(model, **batch)
-
-    assert set(offline.loss_parts) == set(online.loss_parts)
-    for name, value in online.loss_parts.items():
-        assert torch.allclose(offline.loss_parts[name], value, atol=1e-5, rtol=1e-5), name
-    assert torch.allclose(offline.loss, online.loss, atol=1e-5, rtol=1e-5)
-    assert set(offline_grads) == set(online_grads) and online_grads
-    for name, grad in online_grads.items():
-        assert torch.allclose(offline_grads[name], grad, atol=1e-5, rtol=1e-4), name
-    # the base never trains, and validation counts agree too
-    assert not any(p.requires_grad for p in model.base.parameters())
-    online_counts = evaluation_counts(model, plain)
-    offline_counts = evaluation_counts(model, batch)
-    assert set(online_counts) == set(offline_counts)
-    for key, value in online_counts.items():
-        assert offline_counts[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
+    _assert_offline_equals_online(_streamed(arch, **config), _examples(5, seed=3), tol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -136,18 +136,7 @@ def test_offline_medusa_heads_give_the_online_losses_and_gradients(arch):
     with torch.no_grad():
         for p in model.heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    rows = _examples(4, seed=5)
-    batch = _offline_batch(model, rows)
-    plain = {k: v for k, v in batch.items() if k != "activations"}
-    online, online_grads = _loss_and_grads(model, **plain)
-    with _base_never_runs_below(model):
-        offline, offline_grads = _loss_and_grads(model, **batch)
-    assert torch.allclose(offline.loss, online.loss, atol=1e-6, rtol=1e-6)
-    for name, grad in online_grads.items():
-        assert torch.allclose(offline_grads[name], grad, atol=1e-6, rtol=1e-5), name
-    online_counts, offline_counts = evaluation_counts(model, plain), evaluation_counts(model, batch)
-    for key, value in online_counts.items():
-        assert offline_counts[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
+    _assert_offline_equals_online(model, _examples(4, seed=5), tol=1e-6)
 
 
 def test_stored_rows_are_only_those_a_loss_reads():
