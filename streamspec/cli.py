@@ -7,29 +7,12 @@ import json
 import os
 import sys
 
-
-def tree_arg(text: str) -> int | tuple[int, ...]:
-    """``3`` (three candidates at every depth) or ``3,1,1`` (per depth) for --tree-top-k."""
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints such as 3,1,1; got {text!r}") from None
-    return values[0] if len(values) == 1 else values
+from .decoding.config import add_decode_arguments, decode_config_from_args, lookup_arg, tree_arg  # noqa: F401
 
 
 def tree_or_auto_arg(text: str) -> int | tuple[int, ...] | str:
     """`tree_arg`, or ``auto`` (the benchmark picks the fastest shape on validation prompts)."""
     return text if text == "auto" else tree_arg(text)
-
-
-def lookup_arg(text: str):
-    """``L,M[,N]`` (branch tokens, matches, n-gram) for --lookup: a `streamspec.decoding.lookup.PromptLookup`."""
-    from .decoding.lookup import PromptLookup
-
-    try:
-        return PromptLookup.parse(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def lookup_or_auto_arg(text: str):
@@ -74,7 +57,8 @@ def check_device_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(str(err))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `streamspec` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="streamspec", description="Speculative Streaming for HF causal LMs")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (default: one line 'streamspec: error: ...', status 2)")
@@ -140,15 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--tree-top-k", type=tree_arg, default=3, help="candidates per stream, or per depth: 3,1,1")
-    gen.add_argument("--prune-threshold", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
-    gen.add_argument("--tree-budget", type=int, default=None, metavar="N",
-                     help="grow each pass's tree by confidence up to N nodes from --tree-top-k candidates per stream")
-    gen.add_argument("--lookup", type=lookup_arg, default=None, metavar="L,M[,N]",
-                     help="prompt-lookup branches in the draft tree: up to M continuations of L tokens of the "
-                          "latest n-gram (N, default 3) found earlier in the text (streamspec.decoding.lookup)")
+    add_decode_arguments(gen, defaults={"tree_top_k": 3})
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     gen.add_argument("--default-kernels", action="store_true",
                      help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
@@ -192,12 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; no authentication)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --checkpoint)")
-    srv.add_argument("--tree-top-k", type=tree_arg, default=3, help="candidates per stream, or per depth: 3,1,1")
-    srv.add_argument("--prune-threshold", type=float, default=None)
-    srv.add_argument("--lookup", type=lookup_arg, default=None, metavar="L,M[,N]",
-                     help="prompt-lookup branches in each draft tree (see streamspec generate --lookup)")
-    srv.add_argument("--tree-budget", type=int, default=None, metavar="N",
-                     help="grow each draft tree by confidence up to N nodes (see streamspec generate --tree-budget)")
+    add_decode_arguments(srv, defaults={"tree_top_k": 3})
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="the most tokens (prompt + completion) a request may use (default: the model's context)")
     srv.add_argument("--default-kernels", action="store_true", help="torch's default CPU linear kernels")
@@ -206,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     from .reason.cli import add_reason_commands
 
     add_reason_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_device_args(parser, args)
     try:
@@ -264,9 +242,8 @@ def _run(args) -> int:
 
         generate_text(
             args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold,
-            seed=args.seed, speculative=not args.no_speculative, stream=args.stream, lookup=args.lookup,
-            tree_budget=args.tree_budget,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, speculative=not args.no_speculative,
+            stream=args.stream, config=decode_config_from_args(args),
             cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
         )
     elif args.command == "eval":
@@ -283,10 +260,8 @@ def _run(args) -> int:
         from .serving import serve
 
         serve(args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-              tree_top_k=args.tree_top_k, prune_threshold=args.prune_threshold, max_model_len=args.max_model_len,
-              served_model_name=args.served_model_name, gguf_file=args.gguf_file,
-              cpu_kernels=not args.default_kernels, log_level=args.log_level, lookup=args.lookup,
-              tree_budget=args.tree_budget)
+              max_model_len=args.max_model_len, served_model_name=args.served_model_name, gguf_file=args.gguf_file,
+              cpu_kernels=not args.default_kernels, log_level=args.log_level, config=decode_config_from_args(args))
     elif args.command in ("reason", "reason-eval"):
         from .reason.cli import dispatch
 

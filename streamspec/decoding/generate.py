@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .cache import MainStreamCache, StaticCacheView
+from .config import COMPILE_BACKENDS, VERIFY_CHOICES, DecodeConfig, decode_config_of  # noqa: F401 (re-exported)
 from ..patch.layout import causal, main_allowed
 from ..patch.decoder import DecoderParts
 from ..patch.model import StreamedModel
@@ -29,7 +30,6 @@ from .tree import (
     deepest_path,
     prune_by_transition,
     tree_from_parents,
-    tree_shape,
 )
 from .output import GenerateOutput, _stop_set, _within_limits, read_to_host
 
@@ -149,7 +149,7 @@ def generate_autoregressive(
 ) -> torch.Tensor:
     """One token per pass (greedy unless a `Sampler` is given). `input_ids` is [1, T]; returns
     the new tokens [1, n] (stopping after an EOS token, which is included)."""
-    _check_generate_args(model, input_ids, max_new_tokens, 1, None, None, speculative=False,
+    _check_generate_args(model, input_ids, max_new_tokens, DecodeConfig(tree_top_k=1), None, speculative=False,
                          caller="generate_autoregressive")
     return _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler).tokens
 
@@ -236,6 +236,7 @@ def generate(
     lookup: PromptLookup | None = None,
     verify: str = "auto",
     tree_budget: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> GenerateOutput:
     """Speculative-streaming decoding (batch 1): each call verifies the previous draft tree with
     the main stream and drafts the next one from the streams of the deepest accepted node.
@@ -286,17 +287,16 @@ def generate(
             each (the fewest head rows). ``"auto"`` (default): the host walk on a CPU, where a
             read costs nothing and every head call reads the whole LM-head weight from memory
             (docs/benchmarks.md), the device step elsewhere. Outputs are the same either way.
+        config: all of the above decode options in one `DecodeConfig` (instead of the keywords
+            tree_top_k, prune_threshold, lookup, tree_budget, verify and compile; not both).
     """
+    config = decode_config_of(config, tree_top_k=tree_top_k, prune_threshold=prune_threshold, lookup=lookup,
+                              tree_budget=tree_budget, verify=verify, compile=compile)
     batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
-    if tree_top_k is None:
-        tree_top_k = 1 if batched else 3
-    _check_generate_args(model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative)
-    backend = _compile_backend(compile)
-    if backend is not None:
-        _check_compile(batched, speculative, prune_threshold)
-    _check_lookup(lookup, batched, speculative, prune_threshold, backend)
-    _check_budget(tree_budget, batched, speculative, prune_threshold, backend)
-    host_walk = walks_on_host(verify, input_ids.device, backend)
+    _check_generate_args(model, input_ids, max_new_tokens, config, attention_mask, speculative)
+    prune_threshold, lookup, tree_budget = config.prune_threshold, config.lookup, config.tree_budget
+    backend = config.compile_backend
+    host_walk = config.walks_on_host(input_ids.device)
     sampler = Sampler(temperature, top_p, top_k, seed, device=input_ids.device)
     if batched:
         from .batch import generate_batch
@@ -312,7 +312,7 @@ def generate(
             on_tokens(out.tokens[0].tolist())
         return out
     g = model.stream_config.num_streams
-    shape = tree_shape(tree_top_k, g)
+    shape = config.shape(g)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
                           _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
@@ -320,52 +320,9 @@ def generate(
     return out
 
 
-def _check_budget(tree_budget, batched: bool, speculative: bool, prune_threshold, backend) -> None:
-    if tree_budget is None:
-        return
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget must be an int >= 1 (nodes, the root included) or None, got {tree_budget!r}")
-    _refuse_host_tree_with("tree_budget", batched, speculative, prune_threshold, backend)
-
-
-def _refuse_host_tree_with(feature: str, batched: bool, speculative: bool, prune_threshold, backend) -> None:
-    """`feature` builds each pass's tree on the host: one sequence, speculative, uncompiled, unpruned."""
-    for refused, why in ((batched, "a batch (B > 1)"), (not speculative, "speculative=False"),
-                         (prune_threshold is not None, "prune_threshold (pruning needs the fixed tree's node order)"),
-                         (backend is not None, "compile (the tree changes shape every pass)")):
-        if refused:
-            raise ValueError(f"{feature}: each pass's tree is built on the host, for one sequence's uncompiled "
-                             f"speculative decoding; not with {why}")
-
-
-VERIFY_CHOICES = ("auto", "device", "host")
-
-
 def walks_on_host(verify: str, device: torch.device, compile_backend: str | None = None) -> bool:
     """Whether a pass verifies its draft with the host walk (see `generate`'s ``verify``)."""
-    if verify not in VERIFY_CHOICES:
-        raise ValueError(f"verify must be one of {list(VERIFY_CHOICES)}, got {verify!r}")
-    if verify == "host" and compile_backend is not None:
-        raise ValueError("compile=True compiles the device step: verify must be 'device' or 'auto'")
-    return compile_backend is None and (verify == "host" or (verify == "auto" and torch.device(device).type == "cpu"))
-
-
-def _check_lookup(lookup, batched: bool, speculative: bool, prune_threshold, backend) -> None:
-    if lookup is None:
-        return
-    if not isinstance(lookup, PromptLookup):
-        raise TypeError(f"lookup must be a streamspec.decoding.lookup.PromptLookup or None, got {type(lookup).__name__}")
-    _refuse_host_tree_with("lookup branches", batched, speculative, prune_threshold, backend)
-
-
-def _check_compile(batched: bool, speculative: bool, prune_threshold: float | None) -> None:
-    if batched:
-        raise ValueError("compile=True decodes one sequence; a batch (B > 1) runs uncompiled")
-    if not speculative:
-        raise ValueError("compile=True compiles the speculative draft-tree pass; speculative=False runs uncompiled")
-    if prune_threshold is not None:
-        raise ValueError("compile=True needs prune_threshold=None: pruning changes the number of tree rows in the "
-                         "middle of a pass, which a static-shape compiled pass cannot follow")
+    return DecodeConfig(verify=verify, compile=compile_backend or False).walks_on_host(device)
 
 
 def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor, max_new_tokens: int,
@@ -414,8 +371,7 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     host_tree = lookup is not None or tree_budget is not None
     needed = past + new_ids.shape[1] + max_new_tokens + most_nodes * (1 + model.stream_config.num_streams)
     if backend is not None:
-        if prune_threshold is not None:
-            _check_compile(False, True, prune_threshold)
+        DecodeConfig(compile=backend, prune_threshold=prune_threshold)  # refuses pruning with compile
         needed = -(-needed // _CAPACITY_STEP) * _CAPACITY_STEP  # few distinct capacities: few compilations
     cache.reserve(needed)
 
@@ -669,7 +625,6 @@ def _tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torc
     return _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key)
 
 
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _CAPACITY_STEP = 256  # compiled passes attend over buffers of a multiple of this many entries
 
 
@@ -681,13 +636,7 @@ def _compiled_pass(backend: str):
 
 
 def _compile_backend(compile: bool | str) -> str | None:
-    if compile is False or compile is None:
-        return None
-    if compile is True:
-        return "inductor"
-    if compile in COMPILE_BACKENDS:
-        return compile
-    raise ValueError(f"compile must be a bool or one of {list(COMPILE_BACKENDS)}, got {compile!r}")
+    return DecodeConfig(compile=compile).compile_backend
 
 
 class _Clock:
@@ -703,29 +652,21 @@ class _Clock:
         return time.perf_counter()
 
 
-def _check_generate_args(
-    model, input_ids, max_new_tokens, tree_top_k, prune_threshold, attention_mask, speculative, caller="generate"
-) -> None:
+def _check_generate_args(model, input_ids, max_new_tokens, config: DecodeConfig, attention_mask, speculative,
+                         caller="generate") -> None:
+    """What `generate` refuses besides the decode options' own checks (`DecodeConfig.check`)."""
     if not isinstance(model, DecoderParts):
         raise TypeError(f"{caller} needs a StreamedModel (see add_streams) or a MedusaModel (add_medusa_heads), "
                         f"got {type(model).__name__}")
-    if prune_threshold is not None and not isinstance(model, StreamedModel):
-        raise ValueError(f"prune_threshold needs streams (their early-exit estimator); {type(model).__name__} has none")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got {shape}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+    config.check(model, batch=input_ids.shape[0], speculative=speculative)
+    if input_ids.shape[0] > 1 and not speculative:
+        raise ValueError("speculative=False decodes one sequence at a time; pass a batch of 1")
     g = model.stream_config.num_streams
-    shape = tree_shape(tree_top_k, g)  # raises on a bad shape
-    if input_ids.shape[0] > 1:
-        if shape != (1,) * g or prune_threshold is not None:
-            raise ValueError(
-                "a batch decodes the single best path per sequence: tree_top_k must be 1 (or unset) and "
-                "prune_threshold None"
-            )
-        if not speculative:
-            raise ValueError("speculative=False decodes one sequence at a time; pass a batch of 1")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and input_ids.shape[1] + max_new_tokens + g > limit:
         raise ValueError(
@@ -734,5 +675,3 @@ def _check_generate_args(
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prune_threshold is not None and not 0 <= prune_threshold < 1:
-        raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")

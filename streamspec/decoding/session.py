@@ -21,20 +21,11 @@ import torch
 from torch import nn
 
 from .cache import MainStreamCache
-from .generate import (
-    Sampler,
-    _check_budget,
-    _check_compile,
-    _check_lookup,
-    _Clock,
-    _compile_backend,
-    speculate,
-    walks_on_host,
-)
+from .config import DecodeConfig, decode_config_of
+from .generate import Sampler, _Clock, speculate
 from .lookup import PromptLookup
 from ..patch.layout import causal, main_allowed
 from ..patch.decoder import DecoderParts
-from .tree import tree_shape
 
 
 @dataclass
@@ -87,32 +78,28 @@ class DecodingSession:
             `streamspec.decoding.generate`).
         tree_budget: grow each pass's tree by confidence up to this many nodes (see
             `streamspec.decoding.generate`).
+        config: the decode options above in one `DecodeConfig` (instead of the keywords; not both).
     """
 
     def __init__(self, model: nn.Module, tree_top_k: int | tuple[int, ...] | None = None,
                  prune_threshold: float | None = None, compile: bool | str = False,
-                 lookup: PromptLookup | None = None, verify: str = "auto", tree_budget: int | None = None) -> None:
+                 lookup: PromptLookup | None = None, verify: str = "auto", tree_budget: int | None = None,
+                 config: DecodeConfig | None = None) -> None:
+        config = decode_config_of(config, tree_top_k=tree_top_k, prune_threshold=prune_threshold, compile=compile,
+                                  lookup=lookup, verify=verify, tree_budget=tree_budget)
         self.model = model
         self.streamed = isinstance(model, DecoderParts)  # streams or Medusa heads: the tree verifier
         if not self.streamed and not hasattr(model, "config"):
             raise TypeError(f"DecodingSession needs a StreamedModel or a transformers causal LM, got {type(model).__name__}")
+        self.config = config.check(model)
         if self.streamed:
-            self.shape = tree_shape(3 if tree_top_k is None else tree_top_k, model.stream_config.num_streams)
-            if prune_threshold is not None and not 0 <= prune_threshold < 1:
-                raise ValueError(f"prune_threshold must be in [0, 1) or None, got {prune_threshold}")
-        elif tree_top_k is not None or prune_threshold is not None or compile or lookup is not None or tree_budget:
-            raise ValueError("tree_top_k, prune_threshold, compile and lookup are for streamed models; this model has no "
-                             "streams")
-        if _compile_backend(compile) is not None and prune_threshold is not None:
-            _check_compile(False, True, prune_threshold)
-        _check_lookup(lookup, False, True, prune_threshold, _compile_backend(compile))
-        _check_budget(tree_budget, False, True, prune_threshold, _compile_backend(compile))
-        self.tree_budget = tree_budget
-        self.compile = compile
-        self.lookup = lookup
-        self.prune_threshold = prune_threshold
+            self.shape = config.shape(model.stream_config.num_streams)
+        self.tree_budget = config.tree_budget
+        self.compile = config.compile
+        self.lookup = config.lookup
+        self.prune_threshold = config.prune_threshold
         self.device = next(model.parameters()).device
-        self.host_walk = walks_on_host(verify, self.device, _compile_backend(compile)) if self.streamed else False
+        self.host_walk = config.walks_on_host(self.device) if self.streamed else False
         self.ids: list[int] = []
         self.cached = 0
         self._new_cache()

@@ -41,11 +41,11 @@ _DONE = object()
 
 def create_app(loaded: LoadedModel, *, served_model_name: str | None = None, tree_top_k: int | tuple[int, ...] = 3,
                prune_threshold: float | None = None, max_model_len: int | None = None, lookup=None,
-               tree_budget: int | None = None) -> FastAPI:
+               tree_budget: int | None = None, config=None) -> FastAPI:
     """The app serving `loaded` (see `streamspec.loading.load_for_inference`) under the name
     `served_model_name` (default: its source)."""
     engine = Engine(loaded, tree_top_k=tree_top_k, prune_threshold=prune_threshold, max_model_len=max_model_len,
-                    lookup=lookup, tree_budget=tree_budget)
+                    lookup=lookup, tree_budget=tree_budget, config=config)
     name = served_model_name or loaded.source
     app = FastAPI(title="streamspec serve", description="OpenAI-compatible speculative-streaming server")
     app.state.engine = engine

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..decoding.config import DecodeConfig, decode_config_of
 from ..decoding.generate import Sampler, generate
 from ..patch.layout import causal, main_allowed
 from ..loading import LoadedModel
@@ -235,26 +236,26 @@ class Engine:
     Args:
         tree_top_k / prune_threshold / lookup / tree_budget: the draft tree of a streamed model
             (see `streamspec.decoding.generate`), checked at start-up.
+        config: every decode option in one `streamspec.decoding.DecodeConfig` (verify and compile
+            too) instead of those keywords (not both).
         max_model_len: the most tokens (prompt + completion) a request may use; default, and at
             most, the model's positions (less the γ stream positions after the last token of a
             streamed model).
     """
 
     def __init__(self, loaded: LoadedModel, tree_top_k: int | tuple[int, ...] = 3, prune_threshold: float | None = None,
-                 max_model_len: int | None = None, lookup=None, tree_budget: int | None = None) -> None:
+                 max_model_len: int | None = None, lookup=None, tree_budget: int | None = None,
+                 config: DecodeConfig | None = None) -> None:
         self.loaded = loaded
         self.model, self.tokenizer, self.streamed = loaded.model, loaded.tokenizer, loaded.streamed
-        self.tree_top_k, self.prune_threshold = tree_top_k, prune_threshold
-        self.lookup, self.tree_budget = lookup, tree_budget
-        if self.streamed:
-            from ..decoding.generate import _check_budget, _check_lookup
-            from ..decoding.tree import tree_shape
-
-            tree_shape(tree_top_k, self.model.stream_config.num_streams)  # a bad tree fails at start-up
-            _check_lookup(lookup, False, True, prune_threshold, None)
-            _check_budget(tree_budget, False, True, prune_threshold, None)
-        elif lookup is not None or tree_budget is not None:
-            raise ValueError("lookup and tree_budget shape a streamed model's draft tree; this model has no streams")
+        if config is None:
+            config = DecodeConfig(tree_top_k=tree_top_k if self.streamed else None, prune_threshold=prune_threshold,
+                                  lookup=lookup, tree_budget=tree_budget)
+        else:
+            decode_config_of(config, prune_threshold=prune_threshold, lookup=lookup, tree_budget=tree_budget)
+        self.config = config.check(self.model)  # a bad tree fails at start-up
+        self.tree_top_k, self.prune_threshold = config.tree_top_k, config.prune_threshold
+        self.lookup, self.tree_budget = config.lookup, config.tree_budget
         extra = self.model.stream_config.num_streams if self.streamed else 0
         limit = loaded.max_length - extra if loaded.max_length else None
         if max_model_len is not None and limit is not None and max_model_len > limit:
@@ -359,9 +360,8 @@ class Engine:
         elif self.streamed:
             ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
             out = generate(self.model, ids, job.max_tokens, temperature=job.temperature, top_p=job.top_p,
-                           top_k=job.top_k, seed=job.seed, tree_top_k=self.tree_top_k,
-                           prune_threshold=self.prune_threshold, lookup=self.lookup, tree_budget=self.tree_budget,
-                           eos_token_id=self.eos, on_tokens=on_tokens)
+                           top_k=job.top_k, seed=job.seed, config=self.config, eos_token_id=self.eos,
+                           on_tokens=on_tokens)
             passes, generated, accepted = out.forward_passes, out.tokens.shape[1], out.accepted_per_pass
         else:
             from ..decoding.session import DecodingSession

@@ -1,0 +1,103 @@
+"""`DecodeConfig`: the decode options in one frozen dataclass, checked when made and against a
+model; `generate`, `DecodingSession` and the server take it or the old keywords (the same
+tokens either way, never both); the CLI flags of `generate` and `serve` are made from its fields,
+so no option exists in one place and not another."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_model, random_ids
+from streamspec import StreamConfig, add_streams
+from streamspec.cli import build_parser
+from streamspec.decoding import DecodeConfig, generate
+from streamspec.decoding.config import decode_config_from_args, decode_fields, flag_of
+from streamspec.decoding.lookup import PromptLookup
+from streamspec.decoding.session import DecodingSession
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _model():
+    return add_streams(make_model("llama"), StreamConfig(num_streams=3, stream_layers=2, mode="lossless")).eval()
+
+
+def test_values_are_checked_when_made():
+    for bad, match in ((dict(tree_top_k=0), "tree_top_k"), (dict(tree_top_k=(2, 0)), "tree_top_k"),
+                       (dict(prune_threshold=1.0), "prune_threshold"), (dict(tree_budget=0), "tree_budget"),
+                       (dict(verify="gpu"), "verify"), (dict(compile="turbo"), "compile"),
+                       (dict(compile=True, prune_threshold=0.1), "prune_threshold=None"),
+                       (dict(compile=True, verify="host"), "verify"),
+                       (dict(lookup=PromptLookup(), prune_threshold=0.1), "lookup branches"),
+                       (dict(tree_budget=4, compile="eager"), "tree_budget")):
+        with pytest.raises(ValueError, match=match):
+            DecodeConfig(**bad)
+    with pytest.raises(TypeError, match="PromptLookup"):
+        DecodeConfig(lookup=(8, 2))
+    config = DecodeConfig(tree_top_k=[3, 1, 1])
+    assert config.tree_top_k == (3, 1, 1) and hash(config)  # frozen: usable as a key
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.verify = "host"
+
+
+def test_checks_against_the_model_and_batch():
+    model = _model()
+    assert DecodeConfig().shape(3) == (3, 3, 3) and DecodeConfig().shape(3, batch=2) == (1, 1, 1)
+    with pytest.raises(ValueError, match="sequence needs 1 to 3"):
+        DecodeConfig(tree_top_k=(2, 2, 2, 2)).check(model)
+    with pytest.raises(ValueError, match="single best path"):
+        DecodeConfig(tree_top_k=2).check(model, batch=2)
+    with pytest.raises(ValueError, match="a batch"):
+        DecodeConfig(tree_budget=5).check(model, batch=2)
+    with pytest.raises(ValueError, match="speculative=False"):
+        DecodeConfig(compile="eager").check(model, speculative=False)
+    plain = make_model("llama")
+    assert DecodeConfig(verify="host").check(plain) is not None
+    with pytest.raises(ValueError, match="streamed models"):
+        DecodeConfig(tree_top_k=2).check(plain)
+    assert DecodeConfig(verify="auto").walks_on_host("cpu") and not DecodeConfig(verify="device").walks_on_host("cpu")
+    assert not DecodeConfig(compile="eager").walks_on_host("cpu")
+
+
+def test_config_and_keywords_decode_the_same_and_are_not_mixed():
+    model = _model()
+    ids = random_ids(1, 9, seed=4)
+    options = dict(tree_top_k=(2, 1, 1), lookup=PromptLookup(tokens=3, matches=1), verify="device")
+    by_keywords = generate(model, ids, 12, **options)
+    by_config = generate(model, ids, 12, config=DecodeConfig(**options))
+    assert torch.equal(by_keywords.tokens, by_config.tokens)
+    assert by_keywords.accepted_per_pass == by_config.accepted_per_pass
+    with pytest.raises(ValueError, match="not both"):
+        generate(model, ids, 4, config=DecodeConfig(), tree_top_k=2)
+    with pytest.raises(TypeError, match="DecodeConfig"):
+        generate(model, ids, 4, config={"tree_top_k": 2})
+    session = DecodingSession(model, config=DecodeConfig(**options))
+    assert session.config == DecodeConfig(**options) and session.shape == (2, 1, 1)
+    with pytest.raises(ValueError, match="not both"):
+        DecodingSession(model, config=DecodeConfig(), prune_threshold=0.1)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_decode_option_is_a_flag_of_the_commands_that_decode(command):
+    sub = _subparser(command)
+    flags = {opt for a in sub._actions for opt in a.option_strings}
+    assert {flag_of(f.name) for f in decode_fields()} <= flags
+    args = sub.parse_args(["--checkpoint", "x"] + (["--prompt", "p"] if command == "generate" else []) +
+                          ["--tree-top-k", "2,1,1", "--lookup", "8,2", "--verify", "device", "--compile", "off",
+                           "--tree-budget", "6"])
+    assert decode_config_from_args(args) == DecodeConfig(tree_top_k=(2, 1, 1), lookup=PromptLookup(8, 2),
+                                                         verify="device", compile=False, tree_budget=6)
+    defaults = decode_config_from_args(sub.parse_args(["--checkpoint", "x"] + (["--prompt", "p"] if command == "generate" else [])))
+    assert defaults == DecodeConfig(tree_top_k=3)
+    with pytest.raises(SystemExit):
+        sub.parse_args(["--checkpoint", "x", "--verify", "gpu"])
