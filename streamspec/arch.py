@@ -98,3 +98,9 @@ def sliding_window(config) -> int | None:
     if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
         return None
     return window
+
+
+def context_positions(config) -> int | None:
+    """The positions a model can attend over (``max_position_embeddings``, GPT-2's ``n_positions``),
+    when its config says."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)

@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
-    add_decode_arguments(gen, defaults={"tree_top_k": 3})
+    add_decode_arguments(gen)
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     gen.add_argument("--default-kernels", action="store_true",
                      help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; no authentication)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --checkpoint)")
-    add_decode_arguments(srv, defaults={"tree_top_k": 3})
+    add_decode_arguments(srv)
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="the most tokens (prompt + completion) a request may use (default: the model's context)")
     srv.add_argument("--default-kernels", action="store_true", help="torch's default CPU linear kernels")

@@ -52,10 +52,16 @@ class LoadedModel:
     dtype: torch.dtype
 
     @property
+    def eos_ids(self) -> list[int]:
+        """Every token id that ends a text (`eos_ids`)."""
+        return eos_ids(self.model, self.tokenizer)
+
+    @property
     def max_length(self) -> int | None:
         """The model's context in positions (``max_position_embeddings``), when it has one."""
-        config = self.model.config
-        return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        from .arch import context_positions
+
+        return context_positions(self.model.config)
 
 
 def is_streamed_checkpoint(source: str | Path) -> bool:
@@ -192,3 +198,13 @@ def _tokenizer(name: str, gguf_file: str | None):
     return AutoTokenizer.from_pretrained(name, gguf_file=gguf_file)
 
 
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a text for `model`: the tokenizer's EOS and those of the model's
+    generation config (chat models often end a turn with another token)."""
+    ids = {int(tokenizer.eos_token_id)} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    config = getattr(getattr(model, "hf_model", model), "generation_config", None)
+    extra = getattr(config, "eos_token_id", None) if config is not None else None
+    ids.update([extra] if isinstance(extra, int) else extra or [])
+    return sorted(ids)

@@ -98,6 +98,6 @@ def test_every_decode_option_is_a_flag_of_the_commands_that_decode(command):
     assert decode_config_from_args(args) == DecodeConfig(tree_top_k=(2, 1, 1), lookup=PromptLookup(8, 2),
                                                          verify="device", compile=False, tree_budget=6)
     defaults = decode_config_from_args(sub.parse_args(["--checkpoint", "x"] + (["--prompt", "p"] if command == "generate" else [])))
-    assert defaults == DecodeConfig(tree_top_k=3)
+    assert defaults == DecodeConfig()  # tree_top_k None: 3 for one sequence, and nothing asked of a plain model
     with pytest.raises(SystemExit):
         sub.parse_args(["--checkpoint", "x", "--verify", "gpu"])

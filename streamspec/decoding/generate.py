@@ -31,7 +31,8 @@ from .tree import (
     prune_by_transition,
     tree_from_parents,
 )
-from .output import GenerateOutput, _stop_set, _within_limits, read_to_host
+from .output import GenerateOutput, _within_limits, read_to_host, stop_set
+from ..arch import context_positions
 
 
 _MASK32 = 0xFFFFFFFF
@@ -158,7 +159,7 @@ def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, pro
     """One token per pass; the arguments were checked by the caller (`_check_generate_args`). One
     read from the device per pass: the token, to know whether it ends the text."""
     choose = sampler or Sampler(device=input_ids.device)
-    stop = _stop_set(eos_token_id)
+    stop = stop_set(eos_token_id)
     device = input_ids.device
     clock = _Clock(device, profile)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens)
@@ -302,7 +303,7 @@ def generate(
         from .batch import generate_batch
 
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        return generate_batch(model, input_ids, mask, max_new_tokens, sampler, _stop_set(eos_token_id), GenerateOutput,
+        return generate_batch(model, input_ids, mask, max_new_tokens, sampler, stop_set(eos_token_id), GenerateOutput,
                               fuse_head=not host_walk)
     if attention_mask is not None and not attention_mask.bool().all():
         input_ids = input_ids[:, attention_mask[0].bool()]  # one sequence: drop its padding
@@ -315,7 +316,7 @@ def generate(
     shape = config.shape(g)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
-                          _stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
+                          stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
                           lookup=lookup, host_walk=host_walk, tree_budget=tree_budget)
     return out
 
@@ -667,7 +668,7 @@ def _check_generate_args(model, input_ids, max_new_tokens, config: DecodeConfig,
     if input_ids.shape[0] > 1 and not speculative:
         raise ValueError("speculative=False decodes one sequence at a time; pass a batch of 1")
     g = model.stream_config.num_streams
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = context_positions(model.config)
     if limit is not None and input_ids.shape[1] + max_new_tokens + g > limit:
         raise ValueError(
             f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + the {g} stream positions "

@@ -15,8 +15,10 @@ def read_to_host(values: torch.Tensor) -> list:
     return values.tolist()
 
 
-def _stop_set(eos_token_id) -> set[int]:
+def stop_set(eos_token_id: int | list[int] | None) -> set[int]:
+    """The token ids that end a text: one id, a list of them, or none."""
     return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+
 
 
 @dataclass

@@ -23,6 +23,8 @@ from torch import nn
 from .cache import MainStreamCache
 from .config import DecodeConfig, decode_config_of
 from .generate import Sampler, _Clock, speculate
+from .output import stop_set
+from ..arch import context_positions
 from .lookup import PromptLookup
 from ..patch.layout import causal, main_allowed
 from ..patch.decoder import DecoderParts
@@ -114,8 +116,7 @@ class DecodingSession:
 
     @property
     def context_limit(self) -> int | None:
-        config = self.model.config
-        return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        return context_positions(self.model.config)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -197,7 +198,7 @@ class DecodingSession:
         if limit is not None and len(self.ids) + max_new_tokens + extra > limit:
             raise ValueError(f"{len(self.ids)} tokens + max_new_tokens ({max_new_tokens}) exceed the model's context of {limit}")
         sampler = sampler or Sampler(device=self.device)
-        stops = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+        stops = stop_set(eos_token_id)
         new = self._pending()
         start = time.perf_counter()
         seen: list[int] = []

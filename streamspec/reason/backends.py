@@ -32,6 +32,7 @@ import torch
 
 from ..decoding.generate import Sampler
 from ..decoding.session import DecodingSession
+from ..loading import eos_ids
 from .config import BackendConfig
 from ..data.reasoning import solve_message
 from .prompts import JUDGE_REPLY_OPENING, JUDGE_REQUEST
@@ -201,16 +202,6 @@ def _digit_ids(tokenizer) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(ids) for ids in found)
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    generation = getattr(model, "generation_config", None)
-    extra = getattr(generation, "eos_token_id", None) if generation is not None else None
-    ids.update([extra] if isinstance(extra, int) else extra or [])
-    return sorted(ids)
-
-
 # -- in process -----------------------------------------------------------------------------------
 class LocalBackend(Backend):
     """A model in this process: a `StreamedModel` (speculative streaming) or any transformers
@@ -237,7 +228,7 @@ class LocalBackend(Backend):
             tree_top_k = default_tree(model)
         self.session = DecodingSession(model, tree_top_k=tuple(tree_top_k) if isinstance(tree_top_k, list) else tree_top_k) \
             if self.streamed else DecodingSession(model)
-        self.eos = _eos_ids(model, tokenizer)
+        self.eos = eos_ids(model, tokenizer)
         self._suffix_ids = self._encode(self.frame.judge_suffix)
         self._sampler: Sampler | None = None
         self._sampler_key = None

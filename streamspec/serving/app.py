@@ -92,8 +92,12 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None, tre
         config = {"model": name, "streamed": engine.streamed, "device": str(loaded.device),
                   "dtype": dtype_name(loaded.dtype), "max_model_len": engine.max_model_len}
         if engine.streamed:
-            config.update(tree_top_k=tree_top_k, prune_threshold=prune_threshold, tree_budget=tree_budget,
-                          lookup=None if lookup is None else [lookup.tokens, lookup.matches, lookup.ngram],
+            decode, found = engine.config, engine.config.lookup
+            top_k = decode.tree_top_k if decode.tree_top_k is not None else 3
+            config.update(tree_top_k=list(top_k) if isinstance(top_k, tuple) else top_k,
+                          prune_threshold=decode.prune_threshold, tree_budget=decode.tree_budget,
+                          lookup=None if found is None else [found.tokens, found.matches, found.ngram],
+                          verify=decode.verify, compile=decode.compile,
                           num_streams=engine.model.stream_config.num_streams)
         return {**config, **engine.metrics.snapshot()}
 

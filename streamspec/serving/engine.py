@@ -261,17 +261,10 @@ class Engine:
         if max_model_len is not None and limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds what the model can hold ({limit} tokens)")
         self.max_model_len = max_model_len or limit
-        self.eos = self._eos_ids()
+        self.eos = loaded.eos_ids
         self.vocab = self.model.config.vocab_size  # the ids the embedding takes
         self.lock = threading.Lock()
         self.metrics = Metrics()
-
-    def _eos_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        config = getattr(self.model, "hf_model", self.model).generation_config
-        extra = getattr(config, "eos_token_id", None) if config is not None else None
-        ids.update([extra] if isinstance(extra, int) else extra or [])
-        return sorted(ids)
 
     # -- prompts ----------------------------------------------------------------------------------
     def completion_ids(self, prompt) -> list[int]:
