@@ -9,6 +9,10 @@ import sys
 
 from .decoding.config import add_decode_arguments, decode_config_from_args, lookup_arg, tree_arg  # noqa: F401
 
+# The decode options `streamspec eval` applies to every row; its tree, lookup, budget and pruning
+# flags name each row's own settings (or auto: chosen on validation prompts).
+EVAL_DECODE_FLAGS = ("verify", "compile")
+
 
 def tree_or_auto_arg(text: str) -> int | tuple[int, ...] | str:
     """`tree_arg`, or ``auto`` (the benchmark picks the fastest shape on validation prompts)."""
@@ -157,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Medusa checkpoint on the same model (streamspec train with a medusa recipe): adds its row, "
                          "decoded through the same tree verifier")
     ev.add_argument("--max-new-tokens", type=int, default=128)
+    # every row of ours verifies and compiles alike; the tree, lookup, budget and pruning above are
+    # the rows' own (with auto: chosen on validation prompts)
+    add_decode_arguments(ev, only=EVAL_DECODE_FLAGS)
     ev.add_argument("--out", default="runs/benchmark", help="folder for JSON, Markdown and PNG plots")
     ev.add_argument("--default-kernels", action="store_true",
                     help="run every method with torch's default CPU linear kernels (default: packed oneDNN kernels "
@@ -255,6 +262,7 @@ def _run(args) -> int:
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), lookup=args.lookup, tree_budget=args.tree_budget,
             max_new_tokens=args.max_new_tokens, medusa=args.medusa, schema_style=args.schema_style,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
+            decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS),
         )
     elif args.command == "serve":
         from .serving import serve

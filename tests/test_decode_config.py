@@ -101,3 +101,21 @@ def test_every_decode_option_is_a_flag_of_the_commands_that_decode(command):
     assert defaults == DecodeConfig()  # tree_top_k None: 3 for one sequence, and nothing asked of a plain model
     with pytest.raises(SystemExit):
         sub.parse_args(["--checkpoint", "x", "--verify", "gpu"])
+
+
+def test_eval_takes_the_options_every_row_shares():
+    from streamspec.cli import EVAL_DECODE_FLAGS
+    from streamspec.evaluation.benchmark import row_config, streaming_method
+
+    sub = _subparser("eval")
+    flags = {opt for a in sub._actions for opt in a.option_strings}
+    # its tree flags take auto too, and pruning is --thresholds (tried on validation)
+    assert {flag_of(f.name) for f in decode_fields() if f.name != "prune_threshold"} | {"--thresholds"} <= flags
+    args = sub.parse_args(["--checkpoint", "x", "--verify", "host"])
+    assert decode_config_from_args(args, only=EVAL_DECODE_FLAGS) == DecodeConfig(verify="host")
+    # a compiled command: rows built on the host or pruned run uncompiled, the rest compiled
+    compiled = DecodeConfig(compile="eager")
+    assert row_config(compiled, tree_top_k=2).compile == "eager"
+    assert row_config(compiled, tree_top_k=2, lookup=PromptLookup()).compile is False
+    assert row_config(compiled, prune_threshold=0.1).compile is False
+    assert streaming_method(_model(), 0, compiled, speculative=False).config.compile is False

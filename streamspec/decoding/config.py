@@ -206,12 +206,15 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_decode_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+def add_decode_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
+                         only: tuple[str, ...] | None = None) -> None:
     """One flag per `DecodeConfig` field (``--tree-top-k``, ``--prune-threshold``, ``--lookup``,
     ``--tree-budget``, ``--verify``, ``--compile``), with the field's parser and help; `defaults`
-    overrides a field's default for this command."""
+    overrides a field's default for this command; `only` keeps those fields."""
     defaults = defaults or {}
     for f in decode_fields():
+        if only is not None and f.name not in only:
+            continue
         meta = f.metadata
         kwargs: dict[str, Any] = {"dest": f.name, "default": defaults.get(f.name, f.default), "help": meta["help"]}
         if meta["parse"] is not None:
@@ -223,9 +226,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser, defaults: dict[str, An
         parser.add_argument(flag_of(f.name), **kwargs)
 
 
-def decode_config_from_args(args: argparse.Namespace) -> DecodeConfig:
-    """The `DecodeConfig` of parsed arguments (from `add_decode_arguments`)."""
-    return DecodeConfig(**{f.name: getattr(args, f.name) for f in decode_fields()})
+def decode_config_from_args(args: argparse.Namespace, only: tuple[str, ...] | None = None) -> DecodeConfig:
+    """The `DecodeConfig` of parsed arguments (from `add_decode_arguments`, with the same `only`)."""
+    return DecodeConfig(**{f.name: getattr(args, f.name) for f in decode_fields() if only is None or f.name in only})
 
 
 def decode_config_of(config: DecodeConfig | None, **options: Any) -> DecodeConfig:

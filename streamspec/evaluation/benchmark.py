@@ -45,6 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.build import prompt_ids
+from ..decoding.config import DecodeConfig
 from ..decoding.generate import generate
 from .metrics import sql_exact_match, sql_is_valid
 from ..decoding.lookup import PromptLookup
@@ -124,19 +125,37 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
     return run
 
 
-def streaming_method(model, eos_token_id, **kwargs) -> Callable:
-    """A method that decodes with `streamspec.decoding.generate`."""
+def row_config(base: DecodeConfig | None = None, **options) -> DecodeConfig:
+    """A row's decode options: `base` (what the command gives every row: verify, compile) with the
+    row's own. A row whose tree is built on the host (lookup branches, a confidence budget) or
+    pruned cannot be compiled: it runs uncompiled (its summary entry says so)."""
+    base = base or DecodeConfig()
+    if base.compile_backend is not None and any(options.get(k) is not None for k in ("lookup", "tree_budget",
+                                                                                   "prune_threshold")):
+        base = base.replace(compile=False)
+    return base.replace(**options)
+
+
+def streaming_method(model, eos_token_id, config: DecodeConfig | None = None, speculative: bool = True,
+                     **options) -> Callable:
+    """A method that decodes with `streamspec.decoding.generate`, with `config` (see `row_config`)
+    and the row's own decode options."""
 
     device = next(model.parameters()).device
+    config = row_config(config, **options)
+    if not speculative:
+        config = config.replace(compile=False)  # one token per pass runs uncompiled
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
-        out = generate(model, ids.to(device), max_new_tokens, eos_token_id=eos_token_id, **kwargs)
+        out = generate(model, ids.to(device), max_new_tokens, eos_token_id=eos_token_id, speculative=speculative,
+                       config=config)
         split = {}
         if out.forward_seconds_per_pass:  # the first call is the prefill
             split = {"prefill": out.seconds_per_pass[0], "forward": sum(out.forward_seconds_per_pass[1:]),
                      "head": sum(out.head_seconds_per_pass[1:]), "overhead": sum(out.overhead_seconds_per_pass[1:])}
         return out.tokens[0].tolist(), out.forward_passes, out.accepted_per_pass[1:], split
 
+    run.config = config
     return run
 
 
@@ -332,15 +351,25 @@ def _pick_fastest(results: dict[str, MethodResult]) -> tuple[str, dict[str, dict
     return max(table, key=lambda name: table[name]["tokens_per_second"]), table
 
 
-def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int) -> tuple[int | tuple[int, ...], dict]:
+def choose_config(model, tokenizer, rows: list[dict], candidates: dict[str, DecodeConfig],
+                  max_new_tokens: int) -> tuple[str, dict]:
+    """The candidate decode config with the best tokens/s on validation prompts (never the test
+    ones): its name, and each candidate's tokens/s and CRR. The `choose_*` functions below are
+    this chooser over one option's candidates."""
+    methods = {name: streaming_method(model, tokenizer.eos_token_id, config=c) for name, c in candidates.items()}
+    return _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+
+
+def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int,
+                base: DecodeConfig | None = None) -> tuple[int | tuple[int, ...], dict]:
     """The tree shape with the best tokens/s on validation prompts (never the test ones), among
     the candidates that fit the model's number of streams; and each candidate's tokens/s and CRR."""
     g = model.stream_config.num_streams
     shapes = {str(c): c for c in candidates if isinstance(c, int) or len(c) <= g}
     if not shapes:
         raise ValueError(f"none of the tree shapes {candidates} fits a model with {g} streams")
-    methods = {name: streaming_method(model, tokenizer.eos_token_id, tree_top_k=shape) for name, shape in shapes.items()}
-    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    best, table = choose_config(model, tokenizer, rows, {n: row_config(base, tree_top_k=c) for n, c in shapes.items()},
+                                max_new_tokens)
     return shapes[best], table
 
 
@@ -355,12 +384,12 @@ DEFAULT_BUDGET = 6
 CONFIDENCE_TOP_K = 3
 
 
-def choose_budget(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int) -> tuple[int, dict]:
+def choose_budget(model, tokenizer, rows: list[dict], candidates, max_new_tokens: int,
+                  base: DecodeConfig | None = None) -> tuple[int, dict]:
     """The confidence tree's node budget with the best tokens/s on validation prompts; and each
     budget's tokens/s and CRR."""
-    methods = {str(b): streaming_method(model, tokenizer.eos_token_id, tree_top_k=CONFIDENCE_TOP_K, tree_budget=b)
-               for b in candidates}
-    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    configs = {str(b): row_config(base, tree_top_k=CONFIDENCE_TOP_K, tree_budget=b) for b in candidates}
+    best, table = choose_config(model, tokenizer, rows, configs, max_new_tokens)
     return int(best), table
 
 
@@ -369,23 +398,22 @@ def lookup_name(lookup: PromptLookup) -> str:
     return f"{lookup.tokens},{lookup.matches},{lookup.ngram}" + (f"/{lookup.budget}" if lookup.budget else "")
 
 
-def choose_lookup(model, tokenizer, rows: list[dict], tree_top_k, candidates, max_new_tokens: int) -> tuple[PromptLookup, dict]:
+def choose_lookup(model, tokenizer, rows: list[dict], tree_top_k, candidates, max_new_tokens: int,
+                  base: DecodeConfig | None = None) -> tuple[PromptLookup, dict]:
     """The lookup setting with the best tokens/s on validation prompts (never the test ones), with
     the stream tree `tree_top_k`; and each setting's tokens/s and CRR."""
     settings = {lookup_name(c): c for c in candidates}
-    methods = {name: streaming_method(model, tokenizer.eos_token_id, tree_top_k=tree_top_k, lookup=c)
-               for name, c in settings.items()}
-    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    configs = {name: row_config(base, tree_top_k=tree_top_k, lookup=c) for name, c in settings.items()}
+    best, table = choose_config(model, tokenizer, rows, configs, max_new_tokens)
     return settings[best], table
 
 
 def choose_threshold(model, tokenizer, rows: list[dict], tree_top_k, thresholds: list[float],
-                     max_new_tokens: int) -> tuple[float, dict]:
+                     max_new_tokens: int, base: DecodeConfig | None = None) -> tuple[float, dict]:
     """The pruning threshold with the best tokens/s on validation prompts (never the test ones);
     and each threshold's tokens/s and CRR."""
-    methods = {f"{t}": streaming_method(model, tokenizer.eos_token_id, tree_top_k=tree_top_k, prune_threshold=t)
-               for t in thresholds}
-    best, table = _pick_fastest(run_methods(methods, tokenizer, rows, max_new_tokens))
+    configs = {f"{t}": row_config(base, tree_top_k=tree_top_k, prune_threshold=t) for t in thresholds}
+    best, table = choose_config(model, tokenizer, rows, configs, max_new_tokens)
     return float(best), table
 
 
@@ -408,6 +436,7 @@ def run_benchmark(
     dtype: str = "auto",
     medusa: str | None = None,
     schema_style: str = "spider",
+    decode: DecodeConfig | None = None,
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -480,36 +509,40 @@ def run_benchmark(
     if data is None and (auto_tree or thresholds or auto_lookup or auto_budget):
         validation = held_out_rows(task, split="validation", schema_style=schema_style)[:validation_limit]
     if auto_tree:
-        tree_top_k, tree_table = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
+        tree_top_k, tree_table = choose_tree(model, tokenizer, validation, TREE_CANDIDATES, max_new_tokens, decode)
     if validation is not None and thresholds:
         threshold, threshold_table = choose_threshold(model, tokenizer, validation, tree_top_k, list(thresholds),
-                                                      max_new_tokens)
+                                                      max_new_tokens, decode)
     if auto_budget:
-        tree_budget, budget_table = choose_budget(model, tokenizer, validation, BUDGET_CANDIDATES, max_new_tokens)
+        tree_budget, budget_table = choose_budget(model, tokenizer, validation, BUDGET_CANDIDATES, max_new_tokens,
+                                                  decode)
     if heads is not None:
         if auto_tree:
-            medusa_shape, medusa_table = choose_tree(heads, tokenizer, validation, TREE_CANDIDATES, max_new_tokens)
+            medusa_shape, medusa_table = choose_tree(heads, tokenizer, validation, TREE_CANDIDATES, max_new_tokens,
+                                                     decode)
         else:
             medusa_shape = tree_top_k
     if auto_lookup:
-        lookup, lookup_table = choose_lookup(model, tokenizer, validation, tree_top_k, LOOKUP_CANDIDATES, max_new_tokens)
+        lookup, lookup_table = choose_lookup(model, tokenizer, validation, tree_top_k, LOOKUP_CANDIDATES, max_new_tokens,
+                                             decode)
     methods = {
         "baseline": hf_method("baseline", base_model, eos),
         **({"baseline_default_kernels": with_default_kernels(hf_method("baseline", base_model, eos), base_model)}
            if packed else {}),
         "prompt_lookup": hf_method("prompt_lookup", base_model, eos, prompt_lookup_num_tokens=10),
-        "streamed_ar": streaming_method(model, eos, speculative=False),
-        "chain": streaming_method(model, eos, tree_top_k=1),
-        "tree": streaming_method(model, eos, tree_top_k=tree_top_k),
+        "streamed_ar": streaming_method(model, eos, decode, speculative=False),
+        "chain": streaming_method(model, eos, decode, tree_top_k=1),
+        "tree": streaming_method(model, eos, decode, tree_top_k=tree_top_k),
     }
     if threshold is not None:
-        methods["tree_pruned"] = streaming_method(model, eos, tree_top_k=tree_top_k, prune_threshold=threshold)
+        methods["tree_pruned"] = streaming_method(model, eos, decode, tree_top_k=tree_top_k, prune_threshold=threshold)
     if lookup is not None:
-        methods["tree_lookup"] = streaming_method(model, eos, tree_top_k=tree_top_k, lookup=lookup)
+        methods["tree_lookup"] = streaming_method(model, eos, decode, tree_top_k=tree_top_k, lookup=lookup)
     if tree_budget is not None:
-        methods["tree_confidence"] = streaming_method(model, eos, tree_top_k=CONFIDENCE_TOP_K, tree_budget=tree_budget)
+        methods["tree_confidence"] = streaming_method(model, eos, decode, tree_top_k=CONFIDENCE_TOP_K,
+                                                      tree_budget=tree_budget)
     if heads is not None:
-        methods["medusa"] = streaming_method(heads, eos, tree_top_k=medusa_shape)
+        methods["medusa"] = streaming_method(heads, eos, decode, tree_top_k=medusa_shape)
     lossless_on_base = baseline is None and model.stream_config.mode == "lossless"
     save_partial = None
     if out_dir is not None:
@@ -552,6 +585,10 @@ def run_benchmark(
     for name in DRAFT_METHODS:
         if name in summary:
             summary[name]["draft_parameters"] = model.num_stream_parameters()
+    for name, method in methods.items():  # how each row of ours verified, and whether it was compiled
+        config = getattr(method, "config", None)
+        if config is not None and name in summary:
+            summary[name].update(verify=config.verify, compile=config.compile)
 
     if out_dir is not None:
         save_report(summary, out_dir)  # the main table is safe before the sweep runs

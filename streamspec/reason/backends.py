@@ -30,6 +30,7 @@ from functools import lru_cache
 
 import torch
 
+from ..decoding.config import DecodeConfig, decode_config_of
 from ..decoding.generate import Sampler
 from ..decoding.session import DecodingSession
 from ..loading import eos_ids
@@ -212,9 +213,12 @@ class LocalBackend(Backend):
         tokenizer: its tokenizer (chat template used when it has one).
         tree_top_k: the draft tree of a streamed model (default: `default_tree`).
         name: for messages and traces.
+        config: every decode option of a streamed model in one `streamspec.decoding.DecodeConfig`
+            (instead of `tree_top_k`; its tree, when unset, is `default_tree`).
     """
 
-    def __init__(self, model, tokenizer, streams: bool = True, tree_top_k=None, name: str = "model") -> None:
+    def __init__(self, model, tokenizer, streams: bool = True, tree_top_k=None, name: str = "model",
+                 config: DecodeConfig | None = None) -> None:
         from ..patch.model import StreamedModel
 
         self.name = name
@@ -224,10 +228,10 @@ class LocalBackend(Backend):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.frame = chat_frame(tokenizer)
-        if self.streamed and tree_top_k is None:
-            tree_top_k = default_tree(model)
-        self.session = DecodingSession(model, tree_top_k=tuple(tree_top_k) if isinstance(tree_top_k, list) else tree_top_k) \
-            if self.streamed else DecodingSession(model)
+        config = decode_config_of(config, tree_top_k=tuple(tree_top_k) if isinstance(tree_top_k, list) else tree_top_k)
+        if self.streamed and config.tree_top_k is None:
+            config = config.replace(tree_top_k=default_tree(model))
+        self.session = DecodingSession(model, config=config) if self.streamed else DecodingSession(model)
         self.eos = eos_ids(model, tokenizer)
         self._suffix_ids = self._encode(self.frame.judge_suffix)
         self._sampler: Sampler | None = None
