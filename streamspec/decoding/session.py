@@ -22,7 +22,8 @@ from torch import nn
 
 from .cache import MainStreamCache
 from .config import DecodeConfig, decode_config_of
-from .generate import Sampler, _Clock, speculate
+from .loop import Clock, speculate
+from .sampling import Sampler
 from .output import stop_set
 from ..arch import context_positions
 from .lookup import PromptLookup
@@ -212,7 +213,7 @@ class DecodingSession:
 
         if self.streamed:
             out, cached, tokens = speculate(self.model, self.cache, self.cached, new, max_new_tokens, sampler,
-                                            self.shape, self.prune_threshold, stops, on_tokens, _Clock(self.device, False),
+                                            self.shape, self.prune_threshold, stops, on_tokens, Clock(self.device, False),
                                             compile=self.compile, lookup=self.lookup, history=self.ids[: self.cached],
                                             host_walk=self.host_walk, tree_budget=self.tree_budget)
             passes = out.forward_passes

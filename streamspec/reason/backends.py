@@ -31,7 +31,7 @@ from functools import lru_cache
 import torch
 
 from ..decoding.config import DecodeConfig, decode_config_of
-from ..decoding.generate import Sampler
+from ..decoding.sampling import Sampler
 from ..decoding.session import DecodingSession
 from ..loading import eos_ids
 from .config import BackendConfig

@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from ..decoding.config import DecodeConfig, decode_config_of
-from ..decoding.generate import Sampler, generate
+from ..decoding.generate import generate
+from ..decoding.sampling import Sampler
 from ..patch.layout import causal, main_allowed
 from ..loading import LoadedModel
 from .protocol import APIError, DecodeStats

@@ -1,0 +1,105 @@
+"""The compiled decode step: one draft-tree pass with every shape static, through torch.compile.
+
+`tree_pass` runs a pass from the draft tree's tokens to the next draft (the model over the tree
+with the cache buffers seen whole, then `verify_on_device`); `compiled_pass` compiles it once per
+backend (one graph per model, tree shape, sampler settings and cache capacity); `speculate_compiled`
+is the loop of `streamspec.decoding.loop.speculate` after the prefill, one compiled call a pass.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..patch.model import StreamedModel
+from .cache import StaticCacheView
+from .config import DecodeConfig
+from .output import _within_limits, read_to_host
+from .sampling import Sampler
+from .tree import DraftTree
+from .verify import verify_on_device as _verify
+
+def _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler, tree, width,
+                        stop, on_tokens, clock, backend, out, new_ids):
+    """The loop of `speculate` after the prefill, one compiled `_tree_pass` call per pass."""
+    device = new_ids.device
+    step = _compiled_pass(backend)
+    key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
+    capacity = cache._keys[0].shape[-2]
+    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        while len(generated) < max_new_tokens and not ended:
+            start = clock()
+            if past + tree.size > capacity:  # pragma: no cover - the capacity was reserved for this
+                raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
+            past_t = torch.tensor(past, dtype=torch.long, device=device)
+            path, accepted, root, candidates = step(model, cache._keys, cache._values, past_t, root, candidates, tree,
+                                                    sampler, key, width)
+            forward_done = clock()
+            summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
+            new = summary[1 : summary[0] + 2]
+            head_done = clock()
+            cache.keep(past, path, length=len(new))
+            past += len(new)
+            stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
+            generated.extend(new)
+            ended = stopped or any(t in stop for t in new)
+            end = clock()
+            out.forward_passes += 1
+            out.accepted_per_pass.append(len(new))
+            out.nodes_per_pass.append((tree.size, tree.size))
+            out.seconds_per_pass.append(end - start)
+            out.forward_seconds_per_pass.append(forward_done - start)
+            out.head_seconds_per_pass.append(head_done - forward_done)
+    kept_tokens = _within_limits(generated, 0, max_new_tokens, stop)
+    out.tokens = torch.tensor([kept_tokens], dtype=new_ids.dtype, device=device)
+    return out, past, kept_tokens
+
+
+def static_main_allowed(ancestors: torch.Tensor, past: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`main_allowed` for a pass of a compiled decoding step: [1, N, capacity] over a whole cache
+    buffer whose first `past` (a 0-dim device tensor) entries are stored and whose next N are
+    this pass's tree nodes (`ancestors` [N, N]). Key j is visible to node i iff j < past, or
+    past <= j < past + N and ancestors[i, j - past]; the rest of the buffer is hidden."""
+    n = ancestors.shape[0]
+    rel = torch.arange(capacity, device=ancestors.device) - past  # key j relative to the first node
+    in_tree = (rel >= 0) & (rel < n)
+    tree_part = ancestors.index_select(1, rel.clamp(0, n - 1)) & in_tree  # [N, C]
+    return ((rel < 0) | tree_part)[None]
+
+
+def _tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torch.Tensor], past: torch.Tensor,
+               root: torch.Tensor, candidates: torch.Tensor, tree: DraftTree, sampler: Sampler, key: torch.Tensor,
+               width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draft-tree pass with every shape static (what `compile=True` compiles): the tree's
+    tokens from the root and the candidates, the model over them with the cache buffers seen
+    whole (`StaticCacheView`, `past` a 0-dim device tensor), and `_verify`. Writes the pass's main
+    entries into the buffers at past..past+N; returns `_verify`'s outputs."""
+    cache = StaticCacheView(keys, values, past)
+    capacity = keys[0].shape[-2]
+    tokens = tree.tokens(root[0], candidates)
+    positions = (past + tree.depth)[None]
+    main_ok = static_main_allowed(tree.ancestors, past, capacity)
+    lower = model.run_lower(tokens[None], positions, main_ok, cache)
+    slots = torch.arange(tree.size, device=tokens.device)[None]
+    main, streams = model.run_upper(lower, positions, main_ok, slots, torch.ones_like(slots, dtype=torch.bool), cache)
+    return _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key)
+
+
+_CAPACITY_STEP = 256  # compiled passes attend over buffers of a multiple of this many entries
+
+
+@lru_cache(maxsize=None)
+def _compiled_pass(backend: str):
+    """`_tree_pass` through torch.compile with static shapes (one graph per model, tree shape,
+    sampler settings and cache capacity; `past`, the tokens and the seed are tensors)."""
+    return torch.compile(_tree_pass, backend=backend, dynamic=False, fullgraph=True)
+
+
+def _compile_backend(compile: bool | str) -> str | None:
+    return DecodeConfig(compile=compile).compile_backend
+
+
+tree_pass = _tree_pass
+compiled_pass = _compiled_pass
+speculate_compiled = _speculate_compiled
