@@ -1,0 +1,167 @@
+"""The decoding methods the benchmark compares, as callables over the same prompts: transformers
+`generate` (plain and with prompt lookup: `hf_method`), streamspec's decoders (`streaming_method`,
+each row's `DecodeConfig` from `row_config`), and `run_methods`, which runs them side by side with
+the methods interleaved per prompt so that machine noise hits all alike.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data.build import prompt_ids
+from ..decoding.config import DecodeConfig
+from ..decoding.generate import generate
+
+
+@dataclass
+class MethodResult:
+    name: str
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    passes: int = 0
+    accepted: list[int] = field(default_factory=list)  # tokens per pass, after prefill
+    # streamspec only: seconds of the prefill calls, and of the decoding steps after them split
+    # into the transformer layers, the LM / early-exit heads, and the rest
+    split: dict[str, float] = field(default_factory=dict)
+    prompts: int = 0
+
+    def summary(self, baseline_tps: float | None) -> dict:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        depth = {}
+        for n in self.accepted:
+            depth[n] = depth.get(n, 0) + 1
+        timing = {}
+        steps = self.passes - self.prompts
+        if self.split and steps > 0:
+            timing = {"ms_prefill": round(1000 * self.split["prefill"] / self.prompts, 1)}
+            timing.update({f"ms_per_step_{k}": round(1000 * self.split[k] / steps, 2) for k in ("forward", "head", "overhead")})
+        return {
+            **timing,
+            "tokens_per_second": round(tps, 2),
+            "speedup": round(tps / baseline_tps, 3) if baseline_tps else None,
+            "crr": round(self.tokens / self.passes, 3) if self.passes else None,
+            "mean_tokens_per_pass": round(sum(self.accepted) / len(self.accepted), 3) if self.accepted else None,
+            "accepted_per_pass_histogram": dict(sorted(depth.items())),
+            "tokens": self.tokens,
+            "passes": self.passes,
+            "seconds": round(self.seconds, 2),
+            "ms_per_pass": round(1000 * self.seconds / self.passes, 2) if self.passes else None,
+        }
+
+
+class CallCounter:
+    """Counts forward calls of a module (how many passes transformers `generate` made)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = module.register_forward_pre_hook(self._count)
+
+    def _count(self, *args) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
+    """A method that decodes with transformers `generate` (greedy) and counts its passes."""
+    counter = CallCounter(model)
+
+    device = next(model.parameters()).device
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
+        ids = ids.to(device)
+        before = counter.calls
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=eos_token_id, pad_token_id=eos_token_id, **generate_kwargs,
+            )
+        new = out[0, ids.shape[1]:].tolist()
+        return new, counter.calls - before, [], {}
+
+    run.__name__ = name
+    return run
+
+
+def row_config(base: DecodeConfig | None = None, **options) -> DecodeConfig:
+    """A row's decode options: `base` (what the command gives every row: verify, compile) with the
+    row's own. A row whose tree is built on the host (lookup branches, a confidence budget) or
+    pruned cannot be compiled: it runs uncompiled (its summary entry says so)."""
+    base = base or DecodeConfig()
+    if base.compile_backend is not None and any(options.get(k) is not None for k in ("lookup", "tree_budget",
+                                                                                   "prune_threshold")):
+        base = base.replace(compile=False)
+    return base.replace(**options)
+
+
+def streaming_method(model, eos_token_id, config: DecodeConfig | None = None, speculative: bool = True,
+                     **options) -> Callable:
+    """A method that decodes with `streamspec.decoding.generate`, with `config` (see `row_config`)
+    and the row's own decode options."""
+
+    device = next(model.parameters()).device
+    config = row_config(config, **options)
+    if not speculative:
+        config = config.replace(compile=False)  # one token per pass runs uncompiled
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
+        out = generate(model, ids.to(device), max_new_tokens, eos_token_id=eos_token_id, speculative=speculative,
+                       config=config)
+        split = {}
+        if out.forward_seconds_per_pass:  # the first call is the prefill
+            split = {"prefill": out.seconds_per_pass[0], "forward": sum(out.forward_seconds_per_pass[1:]),
+                     "head": sum(out.head_seconds_per_pass[1:]), "overhead": sum(out.overhead_seconds_per_pass[1:])}
+        return out.tokens[0].tolist(), out.forward_passes, out.accepted_per_pass[1:], split
+
+    run.config = config
+    return run
+
+
+def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_new_tokens: int,
+                on_prompt: Callable[[dict[str, MethodResult], int], None] | None = None) -> dict[str, MethodResult]:
+    """Every method on every prompt, methods interleaved per prompt so machine noise hits all alike.
+    Each method first decodes a few tokens of the first prompt, untimed, so that no method pays
+    for first-call costs (allocations, kernel set-up) that another does not. `on_prompt` is
+    called with the results so far after each prompt (a long run saves them as it goes)."""
+    results = {name: MethodResult(name) for name in methods}
+    if rows:
+        ids = prompt_ids(tokenizer, rows[0])
+        for method in methods.values():
+            method(ids, 4)
+    for row in tqdm(rows, desc="benchmark", unit="prompt"):
+        ids = prompt_ids(tokenizer, row)
+        for name, method in methods.items():
+            start = time.perf_counter()
+            new, passes, accepted, split = method(ids, max_new_tokens)
+            r = results[name]
+            r.prompts += 1
+            for part, seconds in split.items():
+                r.split[part] = r.split.get(part, 0.0) + seconds
+            r.seconds += time.perf_counter() - start
+            r.tokens += len(new)
+            r.passes += passes
+            r.accepted.extend(accepted)
+            r.token_ids.append(new)
+            r.texts.append(tokenizer.decode(new, skip_special_tokens=True))
+        if on_prompt is not None:
+            on_prompt(results, results[next(iter(results))].prompts)
+    return results
+
+
+def with_default_kernels(method: Callable, model) -> Callable:
+    """`method` run with torch's default linear kernels in `model` (see `streamspec.kernels`)."""
+    from ..kernels import default_linear_kernels
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        with default_linear_kernels(model):
+            return method(ids, max_new_tokens)
+
+    return run
