@@ -1,4 +1,4 @@
-"""`StreamConfig`: what a streamed model is, validated on construction; and `_build`, the strict
+"""`StreamConfig`: what a streamed model is, validated on construction; and `build_section`, the strict
 typed reading of a YAML section into a dataclass that recipes and SpecReason configs share.
 
 The same dataclass is the `streams:` section of a recipe and the content of a checkpoint's
@@ -133,7 +133,7 @@ def _non_negative(name: str, value: Any) -> float:
     return float(value)
 
 
-def _build(cls, values: dict[str, Any], section: str, source: str):
+def build_section(cls, values: dict[str, Any], section: str, source: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
@@ -142,7 +142,7 @@ def _build(cls, values: dict[str, Any], section: str, source: str):
     values = {key: _coerce(value, hints[key]) for key, value in values.items()}
     for key, value in values.items():  # a nested section (e.g. data.distill) from its mapping
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
-            values[key] = _build(hints[key], value, f"{section}.{key}", source)
+            values[key] = build_section(hints[key], value, f"{section}.{key}", source)
     for key, value in values.items():
         if not _matches(value, hints[key]):
             raise ValueError(f"{source}: {section}.{key} must be {_type_name(hints[key])}, got {value!r}")

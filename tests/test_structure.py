@@ -137,3 +137,30 @@ def test_the_slow_tier_names_tests_that_exist():
     sources = "\n".join(p.read_text() for p in tests.glob("test_*.py"))
     for name in SLOW_TESTS:
         assert f"def {name}(" in sources, name
+
+
+def _private_imports(name: str) -> list[tuple[str, str]]:
+    """(module, name) of every private name (a leading underscore) `name` imports from another module."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            if target.startswith("streamspec"):
+                found += [(target, alias.name) for alias in node.names if alias.name.startswith("_")
+                          and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_is_imported_from_another_room():
+    """A module may use another module's private helpers only inside its own room (package):
+    across rooms the contract is public names."""
+    wrong = []
+    for name in MODULES:
+        for target, imported in _private_imports(name):
+            if room_of(target) != room_of(name) or target.split(".")[:2] != name.split(".")[:2]:
+                wrong.append(f"{name} imports {target}.{imported}")
+    assert not wrong, wrong

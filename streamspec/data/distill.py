@@ -223,17 +223,17 @@ def distilled_set_path(model: str, task: str, args: DistillArgs) -> Path:
         return Path(args.path)
     from ..assets import cache_dir
 
-    key = json.dumps({"model": _model_key(model), "task": task, **args.settings()}, sort_keys=True)
+    key = json.dumps({"model": model_key(model), "task": task, **args.settings()}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_dir() / "distilled" / f"{task}-{digest}.jsonl"
 
 
-def _model_key(model: str) -> str:
+def model_key(model: str) -> str:
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else model
 
 
-def _row_key(row: dict, sample: int) -> str:
+def row_key(row: dict, sample: int) -> str:
     return hashlib.sha256(f"{row['source']}\n{row['prompt']}\n{sample}".encode()).hexdigest()[:16]
 
 

@@ -32,7 +32,7 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     the whole LM-head weight from memory)."""
     batch, length = input_ids.shape
     device = input_ids.device
-    g = model.stream_config.num_streams
+    g = model.num_drafts
     n = 1 + g
     # A row stores at most n entries per pass and passes stop once every row has max_new_tokens.
     cache = RowCache(len(model.layers), capacity=length + max_new_tokens + 2 * n)
@@ -47,8 +47,7 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     positions = position_ids_from_mask(prompt_real)
     main_ok = main_allowed(causal(length, device), prompt_real)
     last = last_real_positions(prompt_real)[:, None]
-    lower = model.run_lower(input_ids, positions, main_ok, cache)
-    main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
+    main, streams = model.step(input_ids, positions, main_ok, last, cache)
     # One LM-head call: each row's main row at its last position and its stream rows.
     logits = model.head(torch.cat([main[rows, last[:, 0]][:, None], streams[:, 0]], dim=1))  # [B, 1+γ, V]
     next_position = prompt_real.sum(dim=1)  # [B] each row's next position id
@@ -73,8 +72,7 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
         positions = next_position[:, None] + steps
         ok = row_allowed(prompt_real, cache.row_lengths, cache.width, n)
         slots = steps.expand(batch, n)
-        lower = model.run_lower(chain, positions, ok, cache)
-        main, streams = model.run_upper(lower, positions, ok, slots, torch.ones_like(slots, dtype=torch.bool), cache)
+        main, streams = model.step(chain, positions, ok, slots, cache)
         # Every row's choice at every node (a draw per node when sampling: only those on the
         # accepted path are used), and the stream rows of each row's deepest accepted node.
         if fuse_head:

@@ -26,14 +26,14 @@ def _speculate_compiled(model, cache, past, root, candidates, generated, ended, 
     device = new_ids.device
     step = _compiled_pass(backend)
     key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
-    capacity = cache._keys[0].shape[-2]
+    capacity = cache.capacity
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         while len(generated) < max_new_tokens and not ended:
             start = clock()
             if past + tree.size > capacity:  # pragma: no cover - the capacity was reserved for this
                 raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
             past_t = torch.tensor(past, dtype=torch.long, device=device)
-            path, accepted, root, candidates = step(model, cache._keys, cache._values, past_t, root, candidates, tree,
+            path, accepted, root, candidates = step(model, *cache.buffers, past_t, root, candidates, tree,
                                                     sampler, key, width)
             forward_done = clock()
             summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
@@ -80,9 +80,8 @@ def _tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torc
     tokens = tree.tokens(root[0], candidates)
     positions = (past + tree.depth)[None]
     main_ok = static_main_allowed(tree.ancestors, past, capacity)
-    lower = model.run_lower(tokens[None], positions, main_ok, cache)
     slots = torch.arange(tree.size, device=tokens.device)[None]
-    main, streams = model.run_upper(lower, positions, main_ok, slots, torch.ones_like(slots, dtype=torch.bool), cache)
+    main, streams = model.step(tokens[None], positions, main_ok, slots, cache)
     return _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key)
 
 

@@ -175,10 +175,10 @@ class DecodeConfig:
             return self
         if self.prune_threshold is not None and not isinstance(model, StreamedModel):
             raise ValueError(f"prune_threshold needs streams (their early-exit estimator); {type(model).__name__} has none")
-        shape = self.shape(model.stream_config.num_streams, batch)  # raises on a bad shape
+        shape = self.shape(model.num_drafts, batch)  # raises on a bad shape
         backend = self.compile_backend
         if batch > 1:
-            if shape != (1,) * model.stream_config.num_streams or self.prune_threshold is not None:
+            if shape != (1,) * model.num_drafts or self.prune_threshold is not None:
                 raise ValueError("a batch decodes the single best path per sequence: tree_top_k must be 1 (or unset) "
                                  "and prune_threshold None")
             if backend is not None:

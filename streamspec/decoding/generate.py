@@ -137,7 +137,7 @@ def generate(
         if on_tokens is not None:
             on_tokens(out.tokens[0].tolist())
         return out
-    g = model.stream_config.num_streams
+    g = model.num_drafts
     shape = config.shape(g)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
@@ -165,7 +165,7 @@ def _check_generate_args(model, input_ids, max_new_tokens, config: DecodeConfig,
     config.check(model, batch=input_ids.shape[0], speculative=speculative)
     if input_ids.shape[0] > 1 and not speculative:
         raise ValueError("speculative=False decodes one sequence at a time; pass a batch of 1")
-    g = model.stream_config.num_streams
+    g = model.num_drafts
     limit = context_positions(model.config)
     if limit is not None and input_ids.shape[1] + max_new_tokens + g > limit:
         raise ValueError(

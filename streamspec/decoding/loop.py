@@ -41,8 +41,7 @@ def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, pro
         n = tokens.shape[1]
         positions = torch.arange(past, past + n, device=device)[None]
         main_ok = main_allowed(causal(n, device), ones[:, : past + n])
-        lower = model.run_lower(tokens, positions, main_ok, cache)
-        main, _ = model.run_upper(lower, positions, main_ok, one_slot + (n - 1), valid, cache)
+        main, _ = model.step(tokens, positions, main_ok, one_slot + (n - 1), cache, valid)
         forward_done = clock()
         token = choose(model.head(main[0, -1:]), positions[0, -1:] + 1)  # [1], on the device
         value = read_to_host(token)[0]
@@ -127,7 +126,7 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     stream_nodes = tree.size if tree_budget is None else min(tree_budget, tree.size)
     most_nodes = stream_nodes if lookup is None else _lookup_nodes(stream_nodes, lookup)
     host_tree = lookup is not None or tree_budget is not None
-    needed = past + new_ids.shape[1] + max_new_tokens + most_nodes * (1 + model.stream_config.num_streams)
+    needed = past + new_ids.shape[1] + max_new_tokens + most_nodes * (1 + model.num_drafts)
     if backend is not None:
         DecodeConfig(compile=backend, prune_threshold=prune_threshold)  # refuses pruning with compile
         needed = -(-needed // _CAPACITY_STEP) * _CAPACITY_STEP  # few distinct capacities: few compilations
@@ -140,8 +139,7 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     positions = torch.arange(past, past + length, device=device)[None]
     main_ok = main_allowed(causal(length, device), torch.ones(1, past + length, dtype=torch.bool, device=device))
     last = torch.full((1, 1), length - 1, dtype=torch.long, device=device)
-    lower = model.run_lower(new_ids, positions, main_ok, cache)
-    main, streams = model.run_upper(lower, positions, main_ok, last, torch.ones_like(last, dtype=torch.bool), cache)
+    main, streams = model.step(new_ids, positions, main_ok, last, cache)
     forward_done = clock()
     logits = model.head(torch.cat([main[0, -1:], streams[0, 0, :depth_limit]], dim=0))  # [1 + depth, V]
     root = sampler(logits[:1], positions[0, -1:] + 1)  # [1]: the token at index past + length

@@ -96,7 +96,7 @@ class DecodingSession:
             raise TypeError(f"DecodingSession needs a StreamedModel or a transformers causal LM, got {type(model).__name__}")
         self.config = config.check(model)
         if self.streamed:
-            self.shape = config.shape(model.stream_config.num_streams)
+            self.shape = config.shape(model.num_drafts)
         self.tree_budget = config.tree_budget
         self.compile = config.compile
         self.lookup = config.lookup
@@ -172,8 +172,7 @@ class DecodingSession:
             model = self.model
             ok = main_allowed(causal(n, self.device), torch.ones(1, self.cached + n, dtype=torch.bool, device=self.device))
             last = torch.full((1, 1), n - 1, dtype=torch.long, device=self.device)
-            lower = model.run_lower(new, positions, ok, self.cache)
-            main, _ = model.run_upper(lower, positions, ok, last, torch.ones_like(last, dtype=torch.bool), self.cache)
+            main, _ = model.step(new, positions, ok, last, self.cache)
             logits = model.head(main[0, -1])
         else:
             logits = self.model(input_ids=new, position_ids=positions, cache=self.cache, use_cache=True,
@@ -195,7 +194,7 @@ class DecodingSession:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         limit = self.context_limit
-        extra = self.model.stream_config.num_streams if self.streamed else 0
+        extra = self.model.num_drafts if self.streamed else 0
         if limit is not None and len(self.ids) + max_new_tokens + extra > limit:
             raise ValueError(f"{len(self.ids)} tokens + max_new_tokens ({max_new_tokens}) exceed the model's context of {limit}")
         sampler = sampler or Sampler(device=self.device)

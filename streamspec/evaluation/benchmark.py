@@ -171,7 +171,7 @@ def run_benchmark(
     loaded = load_for_inference(checkpoint, device=device, dtype=dtype, cpu_kernels=False)  # packed below, with the baseline
     model, tokenizer = loaded.model, loaded.tokenizer
     if not auto_tree:
-        tree_shape(tree_top_k, model.stream_config.num_streams)  # a bad shape fails before any decoding
+        tree_shape(tree_top_k, model.num_drafts)  # a bad shape fails before any decoding
     rows = held_out_rows(task, data, schema_style=schema_style)[:limit]
     base_model = _baseline_model(meta, checkpoint, baseline, loaded.device, loaded.dtype)
     eos = tokenizer.eos_token_id
@@ -180,7 +180,7 @@ def run_benchmark(
     if medusa is not None:  # refused (another base, a tree deeper than the heads) before anything is decoded
         heads = _medusa_model(medusa, base_model)
         if not auto_tree:
-            tree_shape(tree_top_k, heads.stream_config.num_streams)
+            tree_shape(tree_top_k, heads.num_drafts)
 
     threshold = None
     validation = None
@@ -330,7 +330,7 @@ def _baseline_model(meta: dict, checkpoint: str, baseline: str | None, device: t
     base_name = recorded_base(checkpoint, meta)
     model = load_base_model(base_name, dtype=dtype)
     if baseline is not None:
-        from ..patch.checkpoint import _load_adapter
+        from ..patch.checkpoint import load_adapter
 
-        model = _load_adapter(model, Path(baseline)).merge_and_unload().eval()
+        model = load_adapter(model, Path(baseline)).merge_and_unload().eval()
     return model.to(device)

@@ -56,7 +56,7 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
     from pathlib import Path
 
     from ..assets import DEFAULT_MODEL_ID, load_base_model, load_tokenizer
-    from ..patch.checkpoint import _recorded_base
+    from ..patch.checkpoint import adapter_base
 
     if kind in ("streamed", "speculative"):
         from ..patch.checkpoint import checkpoint_tokenizer, load_streamed
@@ -75,7 +75,7 @@ def greedy_generator(kind: str, path: str | None = None, base: str | None = None
 
         return speculative, tokenizer
     # an adapter's own base (as it records it) unless told otherwise
-    base_id = base or (_recorded_base(Path(path)) if kind == "next_token" and path else None) or DEFAULT_MODEL_ID
+    base_id = base or (adapter_base(Path(path)) if kind == "next_token" and path else None) or DEFAULT_MODEL_ID
     tokenizer = load_tokenizer(base_id)
     model = load_base_model(base_id)
     if kind == "next_token":

@@ -34,7 +34,7 @@ def choose_tree(model, tokenizer, rows: list[dict], candidates, max_new_tokens: 
                 base: DecodeConfig | None = None) -> tuple[int | tuple[int, ...], dict]:
     """The tree shape with the best tokens/s on validation prompts (never the test ones), among
     the candidates that fit the model's number of streams; and each candidate's tokens/s and CRR."""
-    g = model.stream_config.num_streams
+    g = model.num_drafts
     shapes = {str(c): c for c in candidates if isinstance(c, int) or len(c) <= g}
     if not shapes:
         raise ValueError(f"none of the tree shapes {candidates} fits a model with {g} streams")

@@ -128,7 +128,7 @@ def load_streamed(
 
     config = StreamConfig.from_dict(meta["stream_config"])
     if meta.get("adapter"):
-        base_model = _load_adapter(base_model, folder / meta["adapter"])
+        base_model = load_adapter(base_model, folder / meta["adapter"])
         if merge_lora:
             base_model = base_model.merge_and_unload()
     model = add_streams(base_model, config)
@@ -159,7 +159,7 @@ def load_stream_weights(model: StreamedModel, path: Path) -> None:
     model.streams.load_state_dict(saved, strict=True)
 
 
-def _load_adapter(base: nn.Module, folder: Path) -> nn.Module:
+def load_adapter(base: nn.Module, folder: Path) -> nn.Module:
     """Wrap `base` in the adapter saved in `folder` (strictly: every LoRA weight must load)."""
     from peft import LoraConfig, get_peft_model
 
@@ -210,9 +210,9 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None,
     from ..assets import DEFAULT_MODEL_ID, load_base_model
     from ..devices import dtype_or_base
 
-    base = base or _recorded_base(Path(adapter)) or DEFAULT_MODEL_ID
+    base = base or adapter_base(Path(adapter)) or DEFAULT_MODEL_ID
     model = load_base_model(base, dtype=dtype_or_base(dtype, base))
-    model = _load_adapter(model, Path(adapter)).merge_and_unload().eval()
+    model = load_adapter(model, Path(adapter)).merge_and_unload().eval()
     target = Path(out)
     model.save_pretrained(target)
     tokenizer = _tokenizer_if_any(base)
@@ -221,7 +221,7 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None,
     return target
 
 
-def _recorded_base(adapter: Path) -> str | None:
+def adapter_base(adapter: Path) -> str | None:
     """The base model an adapter folder records (peft's ``base_model_name_or_path``), if any."""
     config = adapter / "adapter_config.json"
     if not config.is_file():

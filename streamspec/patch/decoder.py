@@ -17,7 +17,7 @@ from torch import nn
 from .layout import to_bias
 
 if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
-    from ..decoding.cache import MainStreamCache
+    from .cache import MainStreamCache
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -45,6 +45,30 @@ class DecoderParts(nn.Module):
     @property
     def num_lower_layers(self) -> int:
         raise NotImplementedError
+
+    @property
+    def num_drafts(self) -> int:
+        """How many tokens past the next one each position drafts: γ streams, or Medusa heads."""
+        raise NotImplementedError
+
+    def run_upper(self, hidden: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor, index: torch.Tensor,
+                  valid: torch.Tensor, cache: MainStreamCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What follows `run_lower`: main hidden states [B, T, h] and, for the positions in `index`
+        [B, S] (`valid` [B, S]), the drafts' hidden states [B, S, num_drafts, h], before the final norm."""
+        raise NotImplementedError
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, main_ok: torch.Tensor, slots: torch.Tensor,
+             cache: MainStreamCache | None = None, valid: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoding pass: `tokens` [B, T] at `positions` [B, T], who may see whom `main_ok`
+        [B, T, P+T] (cached keys first), drafts at the positions `slots` [B, S] (all valid unless
+        `valid`), through `cache`. Returns main [B, T, h] and draft [B, S, num_drafts, h] hidden
+        states (before the final norm; `head` gives logits). Callers that act between the lower
+        and the upper layers (tree pruning) call `run_lower` and `run_upper` themselves."""
+        lower = self.run_lower(tokens, positions, main_ok, cache)
+        if valid is None:
+            valid = torch.ones_like(slots, dtype=torch.bool)
+        return self.run_upper(lower, positions, main_ok, slots, valid, cache)
 
     @property
     def config(self):

@@ -39,7 +39,7 @@ from .objective import _term_losses, check_activations, main_predictions, stored
 from .saving import CheckpointError, _base_facts, base_fingerprint
 
 if TYPE_CHECKING:
-    from ..decoding.cache import MainStreamCache
+    from .cache import MainStreamCache
 
 MEDUSA_FORMAT = "streamspec-medusa-heads"
 MEDUSA_FORMAT_VERSION = 1
@@ -106,6 +106,10 @@ class MedusaModel(DecoderParts):
     @property
     def num_lower_layers(self) -> int:
         return len(self.layers)  # every layer runs on main positions only
+
+    @property
+    def num_drafts(self) -> int:
+        return self.medusa_config.num_heads
 
     def num_draft_parameters(self) -> int:
         """Parameters the heads add (the LM head is shared, not counted)."""

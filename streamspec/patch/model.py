@@ -52,7 +52,7 @@ from .objective import check_activations, loss_terms, offline_total_loss, stored
 from .parameters import StreamAdapters, StreamParameters, _adapter_target, linear_targets
 
 if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
-    from ..decoding.cache import MainStreamCache
+    from .cache import MainStreamCache
 
 
 @dataclass
@@ -114,6 +114,10 @@ class StreamedModel(DecoderParts):
     @property
     def num_lower_layers(self) -> int:
         return len(self.layers) - self.stream_config.stream_layers
+
+    @property
+    def num_drafts(self) -> int:
+        return self.stream_config.num_streams
 
     @property
     def has_lora(self) -> bool:

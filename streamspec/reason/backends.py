@@ -282,7 +282,7 @@ class LocalBackend(Backend):
 
         limit = self.session.context_limit
         if limit is not None:
-            extra = self.model.stream_config.num_streams if self.streamed else 0
+            extra = self.model.num_drafts if self.streamed else 0
             max_tokens = min(max_tokens, limit - len(self.session) - extra)
             if max_tokens < 1:
                 raise BackendError(f"the {self.name}'s context of {limit} tokens is full")
@@ -315,7 +315,7 @@ def default_tree(model) -> tuple[int, ...]:
     and this narrow shape was the fastest on validation prompts (SmolLM2 reasoning drafter, 3
     GSM8K validation problems: tokens/s plain 9.1, chain 8.5, (2,1,1) 8.5, 3 per depth 5.6; see
     docs/reasoning.md); on an accelerator, where width is nearly free, three per depth."""
-    g = model.stream_config.num_streams
+    g = model.num_drafts
     device = next(model.parameters()).device
     return (2,) + (1,) * (g - 1) if device.type == "cpu" else (3,) * g
 

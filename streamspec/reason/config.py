@@ -150,7 +150,7 @@ class ReasonSetup:
 def load_reason_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ReasonSetup:
     """Read a YAML file (sections ``reason``, ``base``, ``drafter``, ``judge``) and apply
     ``section.key=value`` overrides (values parsed as YAML)."""
-    from ..config import _build
+    from ..config import build_section
 
     raw: dict[str, Any] = {}
     if path is not None:
@@ -176,5 +176,5 @@ def load_reason_config(path: str | Path | None = None, overrides: list[str] | No
             continue
         if not isinstance(values, dict):
             raise ValueError(f"{path or 'reason config'}: section {name!r} must be a mapping")
-        built[name] = _build(cls, values, name, str(path or "reason config"))
+        built[name] = build_section(cls, values, name, str(path or "reason config"))
     return ReasonSetup(**built)

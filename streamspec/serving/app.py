@@ -98,7 +98,7 @@ def create_app(loaded: LoadedModel, *, served_model_name: str | None = None, tre
                           prune_threshold=decode.prune_threshold, tree_budget=decode.tree_budget,
                           lookup=None if found is None else [found.tokens, found.matches, found.ngram],
                           verify=decode.verify, compile=decode.compile,
-                          num_streams=engine.model.stream_config.num_streams)
+                          num_streams=engine.model.num_drafts)
         return {**config, **engine.metrics.snapshot()}
 
     def check(body) -> None:

@@ -156,8 +156,7 @@ class Scorer:
             model = self.model
             ok = main_allowed(causal(n, self.device), torch.ones(1, self.past + n, dtype=torch.bool, device=self.device))
             slots = positions - self.past if every_row else torch.full((1, 1), n - 1, device=self.device)
-            lower = model.run_lower(new, positions, ok, self.cache)
-            main, _ = model.run_upper(lower, positions, ok, slots, torch.ones_like(slots, dtype=torch.bool), self.cache)
+            main, _ = model.step(new, positions, ok, slots, self.cache)
             logits = model.head(main[0] if every_row else main[0, -1:])
         else:
             logits = self.model(input_ids=new, position_ids=positions, cache=self.cache, use_cache=True,
@@ -257,7 +256,7 @@ class Engine:
         self.config = config.check(self.model)  # a bad tree fails at start-up
         self.tree_top_k, self.prune_threshold = config.tree_top_k, config.prune_threshold
         self.lookup, self.tree_budget = config.lookup, config.tree_budget
-        extra = self.model.stream_config.num_streams if self.streamed else 0
+        extra = self.model.num_drafts if self.streamed else 0
         limit = loaded.max_length - extra if loaded.max_length else None
         if max_model_len is not None and limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds what the model can hold ({limit} tokens)")

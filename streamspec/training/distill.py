@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..data.distill import META_SUFFIX, DistillArgs, _model_key, _row_key, distill_prompt_rows, distilled_set_path, read_distilled
+from ..data.distill import META_SUFFIX, DistillArgs, model_key, row_key, distill_prompt_rows, distilled_set_path, read_distilled
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | No
 
     from ..data.build import prompt_ids
 
-    meta = {"model": _model_key(model), "task": task, "settings": args.settings()}
+    meta = {"model": model_key(model), "task": task, "settings": args.settings()}
     meta_path = path.with_name(path.name + META_SUFFIX)
     if meta_path.is_file():
         recorded = json.loads(meta_path.read_text())
@@ -76,7 +76,7 @@ def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | No
                            len(encoded) - len(kept), len(encoded), args.max_prompt_tokens)
         encoded = kept
     # longest prompts first (padding stays small within a batch, and memory peaks at once)
-    todo = sorted((e for e in encoded if _row_key(e[1], e[2]) not in done), key=lambda e: -len(e[0]))
+    todo = sorted((e for e in encoded if row_key(e[1], e[2]) not in done), key=lambda e: -len(e[0]))
     path.parent.mkdir(parents=True, exist_ok=True)
     if not meta_path.is_file():  # the command that started the set (a resume keeps it)
         meta_path.write_text(json.dumps({**meta, "command": " ".join(sys.argv), "decoder": args.decoder,
@@ -91,7 +91,7 @@ def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | No
     with path.open("a", encoding="utf-8") as handle:
         def write(row: dict, sample: int, text: str, ended: bool) -> None:
             record = {**{k: v for k, v in row.items() if k not in ("schema",)}, "completion": text,
-                      "sample": sample, "ended": ended, "key": _row_key(row, sample)}
+                      "sample": sample, "ended": ended, "key": row_key(row, sample)}
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
         if args.server:
@@ -120,7 +120,7 @@ def _decode_with_model(model: str, args: DistillArgs, tokenizer, todo, write, ha
         from ..patch.checkpoint import recorded_base
 
         base = recorded_base(args.decoder)
-        if _model_key(base) != _model_key(model) or streamed.stream_config.mode != "lossless":
+        if model_key(base) != model_key(model) or streamed.stream_config.mode != "lossless":
             raise ValueError(f"decoder {args.decoder} must hold lossless streams on {model} (it names base {base})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     written = 0
@@ -240,7 +240,7 @@ def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list
 
         return labelled_rows(task, "validation")
     rows = read_distilled(build_distilled_set(model, task, args))
-    wanted = {_row_key(r, s) for r in distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
+    wanted = {row_key(r, s) for r in distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
               for s in range(args.samples)}
     stale = [r for r in rows if r["key"] not in wanted]
     if stale:  # prompts the settings no longer make (templates changed since the set was started)
@@ -281,7 +281,7 @@ def server_agreement(model: str, task: str, args: DistillArgs, count: int = 20, 
 
     for name in texts:
         def write(row, sample, text, ended, name=name):
-            texts[name][_row_key(row, sample)] = text
+            texts[name][row_key(row, sample)] = text
 
         if name == "server":
             _decode_on_server(greedy, tokenizer, todo, write, _Sink(), _Bar())

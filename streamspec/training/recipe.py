@@ -20,7 +20,7 @@ from ..config import StreamConfig
 from ..data.build import OVERFLOW
 from ..data.distill import DistillArgs
 from ..patch.medusa import MedusaConfig
-from ..config import _build
+from ..config import build_section
 
 TASKS = ("sql", "summarize", "gsm8k_solutions", "custom")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -265,7 +265,7 @@ def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
             continue
         if not isinstance(values, dict):
             raise ValueError(f"{source}: section {name!r} must be a mapping")
-        sections[name] = _build(cls, values, name, source)
+        sections[name] = build_section(cls, values, name, source)
     return Recipe(**sections)
 
 
