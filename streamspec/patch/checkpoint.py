@@ -28,6 +28,7 @@ from ..config import StreamConfig
 from .model import StreamedModel, add_streams
 from .stream_modules import stream_modules_taken_out
 from .saving import (
+    ADAPTER_DIR,
     CONFIG_FILE,
     FORMAT,
     FORMAT_VERSION,
@@ -302,3 +303,31 @@ def checkpoint_tokenizer(checkpoint: str | Path):
     if not base:
         raise CheckpointError(f"{checkpoint} records no base model, so no tokenizer either; load it with base_model=")
     return load_tokenizer(base)
+
+
+def check_stream_config(model: StreamedModel, folder: Path) -> dict:
+    """The checkpoint's metadata, refused when it was trained with another stream config."""
+    meta = read_checkpoint_meta(folder)
+    if meta["stream_config"] != model.stream_config.to_dict():
+        raise ValueError(f"{folder} was trained with another stream config: {meta['stream_config']}")
+    return meta
+
+
+def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
+    """Load a streamed checkpoint's weights into an already built model (for resume), strictly."""
+    meta = check_stream_config(model, folder)
+    if meta.get("merged"):
+        from transformers.modeling_utils import load_state_dict
+
+        state = load_state_dict(str(folder / "model.safetensors"))
+        result = model.hf_model.load_state_dict(state, strict=False)
+        # A tied LM head is not stored separately: loading the input embeddings sets it.
+        tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"{folder}: base weights do not match (missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+    if meta.get("adapter"):
+        if not model.has_lora:
+            raise ValueError(f"{folder} holds a LoRA adapter but the model has none")
+        load_adapter_weights(model.base, folder / ADAPTER_DIR)
+    load_stream_weights(model, folder / WEIGHTS_FILE)

@@ -57,6 +57,16 @@ class DecoderParts(nn.Module):
         [B, S] (`valid` [B, S]), the drafts' hidden states [B, S, num_drafts, h], before the final norm."""
         raise NotImplementedError
 
+    # -- training hooks: what a trainer asks of a draft model, whatever its kind ----------------
+    def own_rate_parameters(self) -> list[nn.Parameter]:
+        """Parameters that train at their own learning rate (``training.stream_learning_rate``)."""
+        return []
+
+    def save_training_checkpoint(self, directory, tokenizer=None) -> None:
+        """Write what a training checkpoint of this model holds (its own format; loaded back by
+        `streamspec.patch.resume.load_draft_checkpoint`)."""
+        raise NotImplementedError
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, main_ok: torch.Tensor, slots: torch.Tensor,
              cache: MainStreamCache | None = None, valid: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:

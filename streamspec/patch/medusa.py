@@ -111,6 +111,10 @@ class MedusaModel(DecoderParts):
     def num_drafts(self) -> int:
         return self.medusa_config.num_heads
 
+    def save_training_checkpoint(self, directory, tokenizer=None) -> None:
+        """The heads only: the base is frozen and named."""
+        self.save_pretrained(directory)
+
     def num_draft_parameters(self) -> int:
         """Parameters the heads add (the LM head is shared, not counted)."""
         return sum(p.numel() for p in self.heads.parameters())

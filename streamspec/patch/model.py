@@ -130,9 +130,9 @@ class StreamedModel(DecoderParts):
         must not reshape the base (its layers, LoRA, final norm or LM head) to suit layer N−Ns,
         so the input is detached and the norm and head are used with detached weights.
         """
-        return frozen(self.hf_model.get_output_embeddings())(self._early_exit_hidden(hidden))
+        return frozen(self.hf_model.get_output_embeddings())(self.early_exit_hidden(hidden))
 
-    def _early_exit_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+    def early_exit_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Adapter then final norm (with detached weights), on a detached input: see early_exit_head."""
         return frozen(getattr(self.decoder, self.arch.norm))(self.streams.early_exit(hidden.detach()))
 
@@ -190,6 +190,17 @@ class StreamedModel(DecoderParts):
         ``merge=True`` a self-contained folder with the base (LoRA merged). See
         `streamspec.patch.checkpoint`; load it back with `streamspec.load_streamed`."""
         return save_streamed(self, directory, merge=merge, tokenizer=tokenizer)
+
+    # -- training hooks (see DecoderParts) -------------------------------------------------------
+    def own_rate_parameters(self) -> list[nn.Parameter]:
+        """The stream identifiers (and low-rank init map): few, in units of the hidden state's RMS,
+        so the LoRA rate barely moves them; not the early-exit adapter or the stream adapters."""
+        return [p for name, p in self.streams.named_parameters() if not name.startswith(("exit_", "adapters."))]
+
+    def save_training_checkpoint(self, directory, tokenizer=None) -> None:
+        """A streamed checkpoint; a full fine-tune (no LoRA, base trainable) carries the base along."""
+        merge = not self.has_lora and any(p.requires_grad for p in self.base.parameters())
+        self.save_pretrained(directory, merge=merge, tokenizer=tokenizer if merge else None)
 
     def num_stream_parameters(self) -> int:
         """Parameters added by the patch (stream identifiers, init map, early-exit adapter)."""

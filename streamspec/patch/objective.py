@@ -39,7 +39,7 @@ def loss_terms(model: "StreamedModel", lower, main, streams, index, valid, label
     for j, weight in enumerate(cfg.stream_weights, start=1):
         targets = padded.gather(1, index + 1 + j).masked_fill(~valid, -100)
         terms.append((f"stream_{j}", streams[:, :, j - 1], targets, weight, norm))
-    terms.append(("early_exit", lower, next_labels, 1.0, model._early_exit_hidden))
+    terms.append(("early_exit", lower, next_labels, 1.0, model.early_exit_hidden))
     return terms
 
 

@@ -26,11 +26,13 @@ from transformers import Trainer, TrainingArguments, set_seed
 
 from ..arch import arch_spec
 from ..assets import load_base_model, load_tokenizer
-from ..patch.checkpoint import check_trainable_checkpoint, load_adapter_weights, load_stream_weights, read_checkpoint_meta
-from ..patch.saving import ADAPTER_DIR, WEIGHTS_FILE
+from ..patch.checkpoint import check_trainable_checkpoint
 from ..data.build import PadCollator, load_rows, log_stats, tokenize_rows
 from ..data.distill import labelled_rows
-from ..patch.medusa import MedusaModel, add_medusa_heads, load_medusa_heads
+from ..patch.medusa import add_medusa_heads
+from ..patch.checkpoint import check_stream_config, load_training_checkpoint  # noqa: F401 (part of this API)
+from ..patch.resume import load_draft_checkpoint
+from ..patch.decoder import DecoderParts
 from ..patch.model import StreamedModel, add_streams
 from .recipe import Recipe
 from ..patch.zero import (  # noqa: F401  (check_deepspeed_config: part of this module's API)
@@ -157,11 +159,9 @@ class StreamTrainer(Trainer):
         own parameter group at `stream_learning_rate` when one is set (no weight decay)."""
         optimizer = super().create_optimizer(model)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if self.stream_learning_rate is None or not isinstance(unwrapped, StreamedModel):
+        if self.stream_learning_rate is None or not isinstance(unwrapped, DecoderParts):
             return optimizer
-        chosen = {
-            id(p) for name, p in unwrapped.streams.named_parameters() if not name.startswith(("exit_", "adapters."))
-        }
+        chosen = {id(p) for p in unwrapped.own_rate_parameters()}
         moved = []
         for group in optimizer.param_groups:
             moved += [p for p in group["params"] if id(p) in chosen]
@@ -215,27 +215,19 @@ class StreamTrainer(Trainer):
     # -- checkpoints ---------------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         model = self.accelerator.unwrap_model(self.model)
-        if not isinstance(model, (StreamedModel, MedusaModel)):
+        if not isinstance(model, DecoderParts):
             return super()._save(output_dir, state_dict)  # the next-token baseline: a peft model
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
             return
-        if isinstance(model, MedusaModel):  # the heads only: the base is frozen and named
-            model.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-            return
-        # A full fine-tune (no LoRA, base trainable) must carry the base weights along.
-        merge = not model.has_lora and any(p.requires_grad for p in model.base.parameters())
-        model.save_pretrained(output_dir, merge=merge, tokenizer=self.processing_class if merge else None)
+        model.save_training_checkpoint(output_dir, tokenizer=self.processing_class)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = self.accelerator.unwrap_model(model or self.model)
-        if isinstance(model, MedusaModel):
-            return load_medusa_heads(model, resume_from_checkpoint)
-        if not isinstance(model, StreamedModel):
+        if not isinstance(model, DecoderParts):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_training_checkpoint(model, Path(resume_from_checkpoint))
+        load_draft_checkpoint(model, resume_from_checkpoint)
 
     # -- checkpoints under DeepSpeed -----------------------------------------------------------
     def _streamed_deepspeed(self) -> bool:
@@ -279,34 +271,6 @@ class StreamTrainer(Trainer):
         return model, train_dataloader
 
 
-def check_stream_config(model: StreamedModel, folder: Path) -> dict:
-    """The checkpoint's metadata, refused when it was trained with another stream config."""
-    meta = read_checkpoint_meta(folder)
-    if meta["stream_config"] != model.stream_config.to_dict():
-        raise ValueError(f"{folder} was trained with another stream config: {meta['stream_config']}")
-    return meta
-
-
-def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
-    """Load a streamed checkpoint's weights into an already built model (for resume), strictly."""
-    meta = check_stream_config(model, folder)
-    if meta.get("merged"):
-        from transformers.modeling_utils import load_state_dict
-
-        state = load_state_dict(str(folder / "model.safetensors"))
-        result = model.hf_model.load_state_dict(state, strict=False)
-        # A tied LM head is not stored separately: loading the input embeddings sets it.
-        tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-        missing = [k for k in result.missing_keys if k not in tied]
-        if missing or result.unexpected_keys:
-            raise ValueError(f"{folder}: base weights do not match (missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
-    if meta.get("adapter"):
-        if not model.has_lora:
-            raise ValueError(f"{folder} holds a LoRA adapter but the model has none")
-        load_adapter_weights(model.base, folder / ADAPTER_DIR)
-    load_stream_weights(model, folder / WEIGHTS_FILE)
-
-
 def offline_datasets(model, train_set, validation_set, pad_id: int, path: str | None, batch_size: int):
     """Offline training (``data.cache_activations``): the store of the train and validation
     examples' activations (built on first use, in one store), the sets with each row's index in
@@ -326,7 +290,7 @@ def offline_datasets(model, train_set, validation_set, pad_id: int, path: str | 
 
 def evaluation_counts(model, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Validation sums for one batch; a next-token model has only the ``main`` term."""
-    if isinstance(model, (StreamedModel, MedusaModel)):
+    if isinstance(model, DecoderParts):
         return model.evaluate_counts(batch["input_ids"], batch["attention_mask"], batch["labels"],
                                      activations=batch.get("activations"))
     with torch.no_grad():
