@@ -162,6 +162,7 @@ SLOW_TESTS = {
     "test_demo_trains_exports_and_benchmarks",
     "test_export_command_merges_into_a_self_contained_folder",
     "test_real_model_distilled_set_is_its_greedy_text",
+    "test_shipped_streams_export_merged_and_decode_through_custom_generate",
 }
 
 

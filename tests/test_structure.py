@@ -19,7 +19,7 @@ ROOMS = [
     ("loading", ["streamspec.loading"]),
     ("decoding", ["streamspec.decoding"]),
     ("uses", ["streamspec.training", "streamspec.evaluation", "streamspec.serving", "streamspec.reason"]),
-    ("top", ["streamspec.demo", "streamspec.cli", "streamspec"]),
+    ("top", ["streamspec.demo", "streamspec.cli", "streamspec.custom_generate", "streamspec"]),
 ]
 
 

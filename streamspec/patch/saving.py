@@ -59,6 +59,25 @@ def base_fingerprint(model: nn.Module) -> list[float]:
     return [round(float(v), 6) for v in rows.sum(dim=1)]
 
 
+CUSTOM_GENERATE_FILE = '''"""streamspec's speculative streaming for this model:
+model.generate(input_ids, custom_generate=<this folder>, trust_remote_code=True, max_new_tokens=...).
+See streamspec.custom_generate."""
+
+from streamspec.custom_generate import generate  # noqa: F401
+'''
+
+
+def write_custom_generate(folder: str | Path) -> Path:
+    """Write ``custom_generate/generate.py`` and ``requirements.txt`` (naming streamspec) into a
+    merged folder: transformers' way to ship a decoding method with a model
+    (`streamspec.custom_generate`)."""
+    target = Path(folder) / "custom_generate"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "generate.py").write_text(CUSTOM_GENERATE_FILE)
+    (target / "requirements.txt").write_text("streamspec\n")
+    return target
+
+
 def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = False, tokenizer=None) -> Path:
     """Write `model` as a streamed checkpoint (see the module docstring); returns the folder."""
     out = Path(directory)
@@ -82,6 +101,7 @@ def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = Fal
         base_ref["name_or_path"] = None  # the base is this folder
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
+        write_custom_generate(out)  # model.generate(..., custom_generate=out) decodes with the streams
     elif model.has_lora:
         with stream_modules_taken_out(model.hf_model):  # peft's own layout: it loads without them
             model.base.save_pretrained(out / ADAPTER_DIR)
