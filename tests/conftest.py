@@ -163,6 +163,7 @@ SLOW_TESTS = {
     "test_export_command_merges_into_a_self_contained_folder",
     "test_real_model_distilled_set_is_its_greedy_text",
     "test_shipped_streams_export_merged_and_decode_through_custom_generate",
+    "test_readme_python_example_and_generate_command_run",
 }
 
 
