@@ -122,7 +122,6 @@ def needed_positions(labels: torch.Tensor, lookahead: int) -> torch.Tensor:
 def compute_activations(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
     """One batch's stored activations, per example (a list of dicts of CPU tensors, the padding cut off)."""
     from ..patch.model import StreamedModel
-    from ..patch.objective import main_predictions
 
     real = attention_mask.bool()
     positions = position_ids_from_mask(real)
@@ -136,14 +135,17 @@ def compute_activations(model, input_ids: torch.Tensor, attention_mask: torch.Te
         lookahead = 0
     else:
         final, kv, lookahead = lower, None, model.medusa_config.num_heads
-    norm = getattr(model.decoder, model.arch.norm)
+    # the main stream's own predictions (`main_predictions`: the targets of stream_targets main)
+    # and its cross-entropy, from one LM-head call over the rows with a target
     next_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-    own = main_predictions(model, final, next_labels, norm)
     main_ce = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    predicted = torch.full_like(next_labels, -100)
     keep = next_labels != -100
     if keep.any():
         logits = model.head(final[keep]).float()
         main_ce[keep] = torch.nn.functional.cross_entropy(logits, next_labels[keep], reduction="none")
+        predicted[keep] = logits.argmax(-1)
+    own = torch.cat([next_labels.new_full((labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
     out = []
     for b in range(input_ids.shape[0]):
         n = int(real[b].sum())
