@@ -34,7 +34,7 @@ from streamspec.patch.medusa import (
 from streamspec.training.recipe import load_recipe, recipe_from_dict
 from streamspec.training.trainer import RECIPE_FILE, evaluation_counts, run_training
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MEDUSA_RECIPE = ROOT / "recipes" / "smollm2-135m" / "sql_medusa.yaml"
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -13,7 +13,7 @@ import pytest
 
 from streamspec.cli import build_parser, check_device_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 

@@ -174,7 +174,7 @@ def test_eval_entry_points_parse_their_options(name, options):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "eval" / name
+    script = Path(__file__).resolve().parents[2] / "eval" / name
     shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
     for option in options:
         assert option in shown
@@ -188,7 +188,7 @@ def test_draft_parameter_counts_follow_the_formulas():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "eval" / "draft_parameters.py"
+    script = Path(__file__).resolve().parents[2] / "eval" / "draft_parameters.py"
     out = subprocess.run([sys.executable, str(script), "--num-drafts", "2"], capture_output=True, text=True, check=True).stdout
     rows = {r["model"]: r for r in map(json.loads, out.splitlines())}
     for name, h in (("SmolLM2-135M", 576), ("Llama-3.1-8B", 4096)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "streamspec"
 
 # Rooms from the bottom up; a module may import its own room (within one package) and those below.
@@ -133,8 +133,8 @@ def test_the_slow_tier_names_tests_that_exist():
 
     tests = ROOT / "tests"
     for module in SLOW_MODULES:
-        assert (tests / f"{module}.py").is_file(), module
-    sources = "\n".join(p.read_text() for p in tests.glob("test_*.py"))
+        assert len(list(tests.rglob(f"{module}.py"))) == 1, module
+    sources = "\n".join(p.read_text() for p in tests.rglob("test_*.py"))
     for name in SLOW_TESTS:
         assert f"def {name}(" in sources, name
 
@@ -164,3 +164,11 @@ def test_no_private_name_is_imported_from_another_room():
             if room_of(target) != room_of(name) or target.split(".")[:2] != name.split(".")[:2]:
                 wrong.append(f"{name} imports {target}.{imported}")
     assert not wrong, wrong
+
+
+def test_tests_are_grouped_by_room():
+    """Each test module lives in the folder of the room it tests (tests/<room>/), none at the top."""
+    tests = ROOT / "tests"
+    assert not list(tests.glob("test_*.py")), "put test modules in tests/<room>/"
+    allowed = {name for name, _ in ROOMS} | {"evaluation", "training", "serving", "reason"}
+    assert {p.parent.name for p in tests.rglob("test_*.py")} <= allowed

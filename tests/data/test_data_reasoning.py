@@ -13,7 +13,7 @@ from streamspec.data.reasoning import solve_message
 from streamspec.training.recipe import load_recipe
 from streamspec.training.trainer import task_rows
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m" / "reason_lossless_adapters.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m" / "reason_lossless_adapters.yaml"
 
 
 @pytest.fixture(scope="module")

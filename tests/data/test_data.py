@@ -22,7 +22,7 @@ from streamspec.data.spider import SPLITS, TEST_DATABASES, VALIDATION_DATABASES,
 from streamspec.training.recipe import load_recipe
 from streamspec.training.trainer import task_rows
 
-SMOLLM2 = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
+SMOLLM2 = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m"
 SQL = SMOLLM2 / "sql.yaml"
 
 

@@ -29,7 +29,7 @@ from streamspec.training.activations import (
 from streamspec.training.recipe import load_recipe, recipe_from_dict
 from streamspec.training.trainer import evaluation_counts, run_training
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 

@@ -20,7 +20,7 @@ from streamspec import load_streamed
 from streamspec.training.recipe import load_recipe
 from streamspec.training.trainer import run_training
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "sql.yaml"
 
 

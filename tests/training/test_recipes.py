@@ -27,7 +27,7 @@ from streamspec.training.trainer import (
     training_arguments,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 SMOLLM2 = ROOT / "recipes" / "smollm2-135m"
 SQL = SMOLLM2 / "sql.yaml"
@@ -276,7 +276,7 @@ def test_deepspeed_configs_parse_in_transformers(path, stage, tmp_path):
 
 
 def test_zero3_takes_streamed_recipes_except_a_full_fine_tune():
-    # LoRA (shared mode) and lossless streams train under ZeRO-3 (tests/test_training.py runs it).
+    # LoRA (shared mode) and lossless streams train under ZeRO-3 (tests/training/test_training.py runs it).
     for name in ("sql.yaml", "sql_lossless.yaml", "sql_lossless_adapters.yaml", "summarize.yaml"):
         assert check_deepspeed_config(load_recipe(SMOLLM2 / name, [f"training.deepspeed={ZERO3}"])) is not None
     # A full fine-tune with streams saves merged checkpoints (the whole base) and uses the

@@ -32,7 +32,7 @@ from streamspec.data.spider import _schemas, load_spider, spider_dir
 from streamspec.training.distill import build_distilled_set, distilled_rows
 from streamspec.training.recipe import load_recipe, recipe_from_dict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = ROOT / "recipes" / "smollm2-135m"
 
 pytestmark = pytest.mark.usefixtures("single_thread")
