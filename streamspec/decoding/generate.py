@@ -20,6 +20,7 @@ from ..patch.decoder import DecoderParts
 from ..patch.model import StreamedModel
 from .cache import MainStreamCache
 from .config import COMPILE_BACKENDS, VERIFY_CHOICES, DecodeConfig, decode_config_of  # noqa: F401 (re-exported)
+from .config import check_generate_args as _check_generate_args
 from .lookup import PromptLookup
 from .loop import _autoregressive, _Clock, _tree, speculate  # noqa: F401 (speculate, _Clock: re-exported)
 from .output import GenerateOutput, stop_set
@@ -149,28 +150,3 @@ def generate(
 def walks_on_host(verify: str, device: torch.device, compile_backend: str | None = None) -> bool:
     """Whether a pass verifies its draft with the host walk (see `generate`'s ``verify``)."""
     return DecodeConfig(verify=verify, compile=compile_backend or False).walks_on_host(device)
-
-
-def _check_generate_args(model, input_ids, max_new_tokens, config: DecodeConfig, attention_mask, speculative,
-                         caller="generate") -> None:
-    """What `generate` refuses besides the decode options' own checks (`DecodeConfig.check`)."""
-    if not isinstance(model, DecoderParts):
-        raise TypeError(f"{caller} needs a StreamedModel (see add_streams) or a MedusaModel (add_medusa_heads), "
-                        f"got {type(model).__name__}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be a non-empty [batch, length] tensor, got {shape}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-    config.check(model, batch=input_ids.shape[0], speculative=speculative)
-    if input_ids.shape[0] > 1 and not speculative:
-        raise ValueError("speculative=False decodes one sequence at a time; pass a batch of 1")
-    g = model.num_drafts
-    limit = context_positions(model.config)
-    if limit is not None and input_ids.shape[1] + max_new_tokens + g > limit:
-        raise ValueError(
-            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + the {g} stream positions "
-            f"after the last token exceed the model's context of {limit} positions"
-        )
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
