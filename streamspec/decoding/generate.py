@@ -15,8 +15,6 @@ from typing import Callable
 
 import torch
 
-from ..arch import context_positions
-from ..patch.decoder import DecoderParts
 from ..patch.model import StreamedModel
 from .cache import MainStreamCache
 from .config import COMPILE_BACKENDS, VERIFY_CHOICES, DecodeConfig, decode_config_of  # noqa: F401 (re-exported)
