@@ -186,20 +186,10 @@ def unused_spider_rows(questions_per_database: int = 4, seed: int = 0) -> list[d
 
 
 def labelled_rows(task: str, split: str) -> list[dict]:
-    """A built-in task's labelled rows of one split."""
-    if task == "sql":
-        from .spider import load_spider
+    """A built-in task's labelled rows of one split (the registry: `streamspec.data.tasks`)."""
+    from .tasks import task_rows
 
-        return load_spider(split)
-    if task == "summarize":
-        from .aclsum import load_aclsum
-
-        return load_aclsum(split)
-    if task == "gsm8k_solutions":
-        from .reasoning import load_gsm8k_solutions
-
-        return load_gsm8k_solutions(split)
-    raise ValueError(f"no built-in rows for task {task!r}; built-in tasks: {sorted(SOURCES)}")
+    return task_rows(task, split)
 
 
 def distill_prompt_rows(task: str, sources: list[str], questions_per_database: int = 4, seed: int = 0) -> list[dict]:

@@ -84,15 +84,11 @@ def held_out_rows(task: str, data: str | None = None, split: str = "test", schem
         from ..data.schema_styles import styled_spider_rows
 
         return styled_spider_rows(schema_style, split)
-    if task == "sql":
-        from ..data.spider import load_spider
+    if task not in ("sql", "summarize"):
+        raise ValueError(f"task must be 'sql' or 'summarize' (or give data=FILE), got {task!r}")
+    from ..data.tasks import task_rows
 
-        return load_spider(split)
-    if task == "summarize":
-        from ..data.aclsum import load_aclsum
-
-        return load_aclsum(split)
-    raise ValueError(f"task must be 'sql' or 'summarize' (or give data=FILE), got {task!r}")
+    return task_rows(task, split)
 
 
 def run_benchmark(
