@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -100,7 +101,7 @@ def activation_store_path(settings: dict[str, Any]) -> Path:
     from ..assets import cache_dir
 
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    name = Path(str(settings.get("model") or "model")).name or "model"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(settings.get("model") or "model")).name).strip("-") or "model"
     return cache_dir() / "activations" / f"{name}-{settings['kind']}-{key}"
 
 
