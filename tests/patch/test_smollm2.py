@@ -130,18 +130,20 @@ def test_demo_introduction_shows_overhead_and_lossless_check(capsys):
         assert line in shown
 
 
-def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer):
+@pytest.mark.parametrize("name", ["smollm2-135m-sql-streams", "smollm2-135m-summarize-streams"])
+def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer, name):
     """The stream weights in streamspec/weights/ (what `make demo` benchmarks) load by name for
     the default model, strictly, and decode the base model's own tokens with fewer passes."""
     from streamspec.assets import shipped_streams_path
+    from streamspec.data.aclsum import load_aclsum
     from streamspec.decoding.generate import generate
     from streamspec.data.build import prompt_ids
     from streamspec.loading import load_for_inference
 
-    loaded = load_for_inference("streamspec:smollm2-135m-sql-streams", device="cpu", dtype="float32", cpu_kernels=False)
+    loaded = load_for_inference(f"streamspec:{name}", device="cpu", dtype="float32", cpu_kernels=False)
     assert loaded.streamed and loaded.model.stream_config.mode == "lossless"
-    assert loaded.source == str(shipped_streams_path())
-    ids = prompt_ids(tokenizer, load_spider("test")[3])
+    assert loaded.source == str(shipped_streams_path(name))
+    ids = prompt_ids(tokenizer, (load_spider("test") if "sql" in name else load_aclsum("test"))[3])
     plain = base.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
     eos = tokenizer.eos_token_id
     out = generate(loaded.model, ids, 24, tree_top_k=(2, 1, 1), eos_token_id=eos)
