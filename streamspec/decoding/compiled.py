@@ -15,7 +15,7 @@ import torch
 from ..patch.model import StreamedModel
 from .cache import StaticCacheView
 from .config import DecodeConfig
-from .output import _within_limits, read_to_host
+from .output import _within_limits, commit_pass, read_to_host, record_pass
 from .sampling import Sampler
 from .tree import DraftTree
 from .verify import verify_on_device as _verify
@@ -39,18 +39,8 @@ def _speculate_compiled(model, cache, past, root, candidates, generated, ended, 
             summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
             new = summary[1 : summary[0] + 2]
             head_done = clock()
-            cache.keep(past, path, length=len(new))
-            past += len(new)
-            stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
-            generated.extend(new)
-            ended = stopped or any(t in stop for t in new)
-            end = clock()
-            out.forward_passes += 1
-            out.accepted_per_pass.append(len(new))
-            out.nodes_per_pass.append((tree.size, tree.size))
-            out.seconds_per_pass.append(end - start)
-            out.forward_seconds_per_pass.append(forward_done - start)
-            out.head_seconds_per_pass.append(head_done - forward_done)
+            past, ended = commit_pass(cache, past, new, ((path, None),), generated, max_new_tokens, stop, on_tokens)
+            record_pass(out, new, (tree.size, tree.size), start, forward_done, head_done, clock())
     kept_tokens = _within_limits(generated, 0, max_new_tokens, stop)
     out.tokens = torch.tensor([kept_tokens], dtype=new_ids.dtype, device=device)
     return out, past, kept_tokens

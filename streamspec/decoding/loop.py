@@ -17,7 +17,7 @@ from .cache import MainStreamCache
 from .compiled import _CAPACITY_STEP, _compile_backend, speculate_compiled as _speculate_compiled
 from .config import DecodeConfig
 from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost
-from .output import GenerateOutput, _within_limits, read_to_host, stop_set
+from .output import GenerateOutput, _within_limits, commit_pass, read_to_host, record_pass, stop_set
 from .sampling import Sampler
 from .tree import DraftTree, build_tree, children_of, prune_by_transition, tree_from_parents
 from .verify import verify_on_device as _verify, walk_on_host as _walk
@@ -238,21 +238,12 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
                     host_scores = [rest[d * width : (d + 1) * width] for d in range(depth_limit)]
             new = summary[1 : summary[0] + 2]
         head_done = clock()
-        cache.keep(past, kept[path], lower_layers, length=len(new))
-        cache.keep(past, path, upper_layers, length=len(new))
-        past += len(new)
-        stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
-        generated.extend(new)
+        # commit: the accepted path's entries (lower layers: of the nodes kept by pruning), the tokens
+        past, ended = commit_pass(cache, past, new, ((kept[path], lower_layers), (path, upper_layers)), generated,
+                                  max_new_tokens, stop, on_tokens)
         if lookup is not None:
             text.extend(new)
-        ended = stopped or any(t in stop for t in new)
-        end = clock()
-        out.forward_passes += 1
-        out.accepted_per_pass.append(len(new))
-        out.nodes_per_pass.append((step_tree.size, n))
-        out.seconds_per_pass.append(end - start)
-        out.forward_seconds_per_pass.append(forward_done - start - head_seconds)
-        out.head_seconds_per_pass.append(head_done - forward_done + head_seconds)
+        record_pass(out, new, (step_tree.size, n), start, forward_done, head_done, clock(), head_seconds)
 
     kept_tokens = _within_limits(generated, 0, max_new_tokens, stop)
     out.tokens = torch.tensor([kept_tokens], dtype=new_ids.dtype, device=device)

@@ -67,3 +67,29 @@ def _within_limits(new: list[int], before: int, max_new_tokens: int, stop: set[i
         if token in stop:
             return new[: i + 1]
     return new
+
+
+def commit_pass(cache, past: int, new: list[int], paths, generated: list[int], max_new_tokens: int, stop: set[int],
+                on_tokens) -> tuple[int, bool]:
+    """The end of a speculative pass, the same in every loop: keep the accepted path's entries in
+    the cache (`paths`: ``(node indices, layers or None)``), hand the new tokens to `on_tokens`
+    (cut at the limit and after a stop token), extend `generated`. Returns the cache's new length
+    and whether the text ended (a stop token, or `on_tokens` said stop)."""
+    for path, layers in paths:
+        cache.keep(past, path, layers, length=len(new))
+    stopped = on_tokens is not None and bool(on_tokens(_within_limits(new, len(generated), max_new_tokens, stop)))
+    generated.extend(new)
+    return past + len(new), stopped or any(t in stop for t in new)
+
+
+def record_pass(out: "GenerateOutput", new: list[int], nodes: tuple[int, int], start: float, forward_done: float,
+                head_done: float, end: float, head_seconds: float = 0.0) -> None:
+    """Count one pass in `out`: tokens accepted, tree nodes (before and after pruning), and its
+    time split (the model, the heads, the rest); `head_seconds` spent inside the forward part
+    (pruning's early-exit head) counts as head time."""
+    out.forward_passes += 1
+    out.accepted_per_pass.append(len(new))
+    out.nodes_per_pass.append(nodes)
+    out.seconds_per_pass.append(end - start)
+    out.forward_seconds_per_pass.append(forward_done - start - head_seconds)
+    out.head_seconds_per_pass.append(head_done - forward_done + head_seconds)
