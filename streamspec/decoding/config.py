@@ -235,23 +235,25 @@ def flag_of(name: str) -> str:
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
-                         only: tuple[str, ...] | None = None) -> None:
+                         only: tuple[str, ...] | None = None, prefix: str = "") -> None:
     """One flag per `DecodeConfig` field (``--tree-top-k``, ``--prune-threshold``, ``--lookup``,
     ``--tree-budget``, ``--verify``, ``--compile``), with the field's parser and help; `defaults`
-    overrides a field's default for this command; `only` keeps those fields."""
+    overrides a field's default for this command; `only` keeps those fields; `prefix` (e.g.
+    ``drafter-``) names one role's options (``--drafter-tree-top-k``, dest ``drafter_tree_top_k``)."""
     defaults = defaults or {}
     for f in decode_fields():
         if only is not None and f.name not in only:
             continue
         meta = f.metadata
-        kwargs: dict[str, Any] = {"dest": f.name, "default": defaults.get(f.name, f.default), "help": meta["help"]}
+        dest = prefix.replace("-", "_") + f.name
+        kwargs: dict[str, Any] = {"dest": dest, "default": defaults.get(f.name, f.default), "help": meta["help"]}
         if meta["parse"] is not None:
             kwargs["type"] = meta["parse"]
         if meta["metavar"]:
             kwargs["metavar"] = meta["metavar"]
         if meta["choices"]:
             kwargs["choices"] = list(meta["choices"])
-        parser.add_argument(flag_of(f.name), **kwargs)
+        parser.add_argument("--" + prefix + f.name.replace("_", "-"), **kwargs)
 
 
 def decode_config_from_args(args: argparse.Namespace, only: tuple[str, ...] | None = None) -> DecodeConfig:

@@ -457,4 +457,4 @@ def backend_from_config(config: BackendConfig, name: str) -> Backend:
     from ..loading import load_for_inference
 
     loaded = load_for_inference(config.source, device=config.device, dtype=config.dtype, gguf_file=config.gguf_file)
-    return LocalBackend(loaded.model, loaded.tokenizer, streams=config.streams, tree_top_k=config.tree_top_k, name=name)
+    return LocalBackend(loaded.model, loaded.tokenizer, streams=config.streams, name=name, config=config.decode_config())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..decoding.config import add_decode_arguments, decode_fields
 from .config import BackendConfig, ReasonSetup, load_reason_config
 
 _REASON_FLAGS = {  # flag -> (ReasonConfig field, type)
@@ -36,6 +37,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-streams", action="store_true", help="decode a streamed drafter without its streams")
     for flag, (_, kind) in _REASON_FLAGS.items():
         parser.add_argument(flag, type=kind, default=None)
+    # the drafter's decode options, from DecodeConfig's fields (unset: the config file's, else its defaults)
+    add_decode_arguments(parser, defaults={f.name: None for f in decode_fields()}, prefix="drafter-")
 
 
 def add_reason_commands(sub) -> None:
@@ -81,6 +84,11 @@ def setup_from_args(args) -> ReasonSetup:
             values["dtype"] = args.dtype
         if role == "drafter" and args.no_streams:
             values["streams"] = False
+        if role == "drafter":
+            for f in decode_fields():
+                value = getattr(args, f"drafter_{f.name}", None)
+                if value is not None:  # a PromptLookup from --drafter-lookup is kept as its L,M,N text
+                    values[f.name] = f"{value.tokens},{value.matches},{value.ngram}" if f.name == "lookup" else value
         if values.get("source"):
             setattr(setup, role, BackendConfig(**values))
     return setup

@@ -103,6 +103,9 @@ class BackendConfig:
             without streams (the baseline that shows what the streams add).
         tree_top_k: the draft tree of a streamed model (an int, or one int per depth; default:
             (2, 1, 1) on a CPU, 3 per depth on an accelerator).
+        prune_threshold, lookup (``"L,M[,N]"``), tree_budget, verify, compile: the other decode
+            options of a streamed model, as `streamspec.decoding.DecodeConfig` takes them
+            (`decode_config`).
         timeout: seconds per server request; retries: further tries after a failed one.
         api_key: sent as a bearer token to a server (default: $OPENAI_API_KEY, else none).
     """
@@ -115,6 +118,11 @@ class BackendConfig:
     dtype: str = "auto"
     streams: bool = True
     tree_top_k: int | list[int] | None = None
+    prune_threshold: float | None = None
+    lookup: str | None = None
+    tree_budget: int | None = None
+    verify: str = "auto"
+    compile: bool | str = False
     timeout: float = 300.0
     retries: int = 2
     api_key: str | None = None
@@ -128,6 +136,17 @@ class BackendConfig:
             raise ValueError(f"BackendConfig.timeout must be > 0 seconds, got {self.timeout!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"BackendConfig.retries must be an integer >= 0, got {self.retries!r}")
+        self.decode_config()  # a bad decode option fails here, naming it
+
+    def decode_config(self):
+        """The `streamspec.decoding.DecodeConfig` of this backend's decode options."""
+        from ..decoding.config import DecodeConfig
+        from ..decoding.lookup import PromptLookup
+
+        top_k = tuple(self.tree_top_k) if isinstance(self.tree_top_k, list) else self.tree_top_k
+        lookup = PromptLookup.parse(self.lookup) if isinstance(self.lookup, str) else self.lookup
+        return DecodeConfig(tree_top_k=top_k, prune_threshold=self.prune_threshold, lookup=lookup,
+                            tree_budget=self.tree_budget, verify=self.verify, compile=self.compile)
 
     @property
     def is_server(self) -> bool:

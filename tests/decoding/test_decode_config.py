@@ -119,3 +119,20 @@ def test_eval_takes_the_options_every_row_shares():
     assert row_config(compiled, tree_top_k=2, lookup=PromptLookup()).compile is False
     assert row_config(compiled, prune_threshold=0.1).compile is False
     assert streaming_method(_model(), 0, compiled, speculative=False).config.compile is False
+
+
+def test_reason_takes_the_drafters_decode_options_from_the_same_fields(tiny_dir):
+    from streamspec.reason.cli import setup_from_args
+    from streamspec.reason.config import BackendConfig
+
+    sub = _subparser("reason")
+    flags = {opt for a in sub._actions for opt in a.option_strings}
+    assert {"--drafter-" + f.name.replace("_", "-") for f in decode_fields()} <= flags
+    args = sub.parse_args(["--base", str(tiny_dir), "--drafter", str(tiny_dir), "--problem", "1+1?",
+                           "--drafter-tree-top-k", "2,1", "--drafter-lookup", "6,2", "--drafter-verify", "device"])
+    drafter = setup_from_args(args).drafter
+    assert drafter.decode_config() == DecodeConfig(tree_top_k=(2, 1), lookup=PromptLookup(6, 2), verify="device")
+    unset = setup_from_args(sub.parse_args(["--base", str(tiny_dir), "--drafter", str(tiny_dir), "--problem", "x"]))
+    assert unset.drafter.decode_config() == DecodeConfig()
+    with pytest.raises(ValueError, match="verify"):
+        BackendConfig(source=str(tiny_dir), verify="gpu")
