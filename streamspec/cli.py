@@ -26,6 +26,19 @@ def lookup_or_auto_arg(text: str):
     return lookup_arg(text)
 
 
+def peers_or_none_arg(text: str):
+    """``auto`` (kept for the benchmark to resolve), ``none``, or a list of peer rows (see
+    `streamspec.evaluation.peers.peers_arg`)."""
+    from .evaluation.peers import peers_arg
+
+    if text == "auto":
+        return text
+    try:
+        return peers_arg(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def budget_or_auto_arg(text: str):
     """``auto``, ``none`` or a node budget >= 1 for --tree-budget."""
     if text in ("auto", "none"):
@@ -161,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Medusa checkpoint on the same model (streamspec train with a medusa recipe): adds its row, "
                          "decoded through the same tree verifier")
     ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--peers", type=peers_or_none_arg, default="auto", metavar="auto|none|NAME[,NAME]",
+                    help="rows beside ours: transformers_compiled (static cache + torch.compile), llama_cpp and "
+                         "llama_cpp_lookup (the model's GGUF through llama.cpp, plain and with its n-gram speculation), "
+                         "memory_floor (what a pass must read over the measured bandwidth); auto: all (llama.cpp ones "
+                         "when a GGUF is known)")
+    ev.add_argument("--gguf", default=None, metavar="PATH",
+                    help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     # every row of ours verifies and compiles alike; the tree, lookup, budget and pruning above are
     # the rows' own (with auto: chosen on validation prompts)
     add_decode_arguments(ev, only=EVAL_DECODE_FLAGS)
@@ -262,7 +282,7 @@ def _run(args) -> int:
             tree_top_k=args.tree_top_k, sweep_top_k=tuple(args.sweep), lookup=args.lookup, tree_budget=args.tree_budget,
             max_new_tokens=args.max_new_tokens, medusa=args.medusa, schema_style=args.schema_style,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
-            decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS),
+            decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS), peers=args.peers, gguf=args.gguf,
         )
     elif args.command == "serve":
         from .serving import serve

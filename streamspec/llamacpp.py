@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 PREFIX = "llama.cpp:"
+# LlamaCppServer(speculative=...): llama.cpp's speculation types that need no second model
+SPECULATIVE = {"ngram": "COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE"}
 INSTALL_HINT = "pip install --only-binary=:all: xllamacpp==2026.10.11549"
 
 
@@ -54,14 +56,24 @@ class LlamaCppServer:
             threads within the cores: oversubscribed, everything slows many-fold).
         context: tokens of context per slot.
         parallel: slots decoding at once (continuous batching: concurrent requests share passes).
+        speculative: None (plain decoding) or one of `SPECULATIVE`: ``"ngram"``, llama.cpp's own
+            n-gram speculation over the tokens so far (prompt lookup: drafts copied from earlier
+            text, verified in one pass).
+        verbose: llama.cpp's own log lines (each request's slot and timings) on stderr; off by
+            default, so a benchmark's or a training's progress stays readable.
     """
 
-    def __init__(self, gguf: str | Path, threads: int = 1, context: int = 4096, parallel: int = 1) -> None:
+    def __init__(self, gguf: str | Path, threads: int = 1, context: int = 4096, parallel: int = 1,
+                 speculative: str | None = None, verbose: bool = False) -> None:
         for name, value in (("threads", threads), ("context", context), ("parallel", parallel)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if speculative is not None and speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be None or one of {list(SPECULATIVE)}, got {speculative!r}")
         self.gguf = gguf_path(str(gguf))
         self.threads, self.context, self.parallel = threads, context, parallel
+        self.speculative = speculative
+        self.verbose = verbose
         self._server = None
         self.url: str | None = None
 
@@ -79,6 +91,9 @@ class LlamaCppServer:
         params.cpuparams.n_threads = self.threads
         params.cpuparams_batch.n_threads = self.threads
         params.cache_prompt = True
+        params.verbosity = 3 if self.verbose else 0
+        if self.speculative is not None:
+            params.speculative.types = [getattr(xlc.common_speculative_type, SPECULATIVE[self.speculative])]
         self._server = xlc.Server(params)
         address = self._server.listening_address
         self.url = address if address.startswith("http") else f"http://{address}"

@@ -4,6 +4,8 @@
 with the cache buffers seen whole, then `verify_on_device`); `compiled_pass` compiles it once per
 backend (one graph per model, tree shape, sampler settings and cache capacity); `speculate_compiled`
 is the loop of `streamspec.decoding.loop.speculate` after the prefill, one compiled call a pass.
+`autoregressive_compiled` is one token per pass (``speculative=False``) the same way: the prefill
+uncompiled, then one compiled `token_pass` per token over the whole cache buffers.
 """
 
 from __future__ import annotations
@@ -75,6 +77,66 @@ def _tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torc
     return _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key)
 
 
+def _token_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torch.Tensor], past: torch.Tensor,
+                token: torch.Tensor, sampler: Sampler, key: torch.Tensor) -> torch.Tensor:
+    """One token per pass with every shape static (``speculative=False`` with ``compile``): the
+    token [1] at position `past` (a 0-dim device tensor) through the model over the whole cache
+    buffers, its entry written at `past`, and the next token [1] chosen by `sampler` (keyed by its
+    sequence index, as the uncompiled loop)."""
+    cache = StaticCacheView(keys, values, past)
+    capacity = keys[0].shape[-2]
+    positions = past.view(1, 1)
+    main_ok = static_main_allowed(torch.ones(1, 1, dtype=torch.bool, device=token.device), past, capacity)
+    slot = torch.zeros(1, 1, dtype=torch.long, device=token.device)  # the streams at the new position, as uncompiled
+    main, _ = model.step(token.view(1, 1), positions, main_ok, slot, cache)
+    return sampler(model.head(main[0, -1:]), positions[0] + 1, key=key)
+
+
+@lru_cache(maxsize=None)
+def _compiled_token_pass(backend: str):
+    """`_token_pass` through torch.compile with static shapes (one graph per model, sampler
+    settings and cache capacity)."""
+    return torch.compile(_token_pass, backend=backend, dynamic=False, fullgraph=True)
+
+
+def _autoregressive_compiled(model, input_ids, max_new_tokens, stop: set[int], sampler: Sampler, backend: str,
+                             clock) -> "GenerateOutput":
+    """One token per pass with every pass after the prefill one compiled `_token_pass` call. The
+    tokens equal the uncompiled loop's (greedy; sampled with the same seed) up to the compiled
+    kernels' float rounding. One read per pass: the token."""
+    from ..patch.cache import MainStreamCache
+    from ..patch.layout import causal, main_allowed
+    from .output import GenerateOutput
+
+    device = input_ids.device
+    cache = MainStreamCache(len(model.layers))
+    cache.reserve(-(-(input_ids.shape[1] + max_new_tokens) // _CAPACITY_STEP) * _CAPACITY_STEP)
+    out = GenerateOutput(tokens=input_ids.new_zeros(1, 0), forward_passes=0)
+    step = _compiled_token_pass(backend)
+    key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
+    start = clock()
+    n = input_ids.shape[1]
+    positions = torch.arange(n, device=device)[None]
+    main_ok = main_allowed(causal(n, device), torch.ones(1, n, dtype=torch.bool, device=device))
+    main, _ = model.step(input_ids, positions, main_ok, torch.full((1, 1), n - 1, dtype=torch.long, device=device), cache)
+    forward_done = clock()
+    token = sampler(model.head(main[0, -1:]), positions[0, -1:] + 1)
+    generated = [read_to_host(token)[0]]
+    record_pass(out, generated[-1:], (1, 1), start, forward_done, forward_done, clock())
+    past = n
+    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        while len(generated) < max_new_tokens and generated[-1] not in stop:
+            start = clock()
+            token = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), token, sampler, key)
+            forward_done = clock()
+            generated.append(read_to_host(token)[0])
+            past += 1
+            cache.count_stored(past)
+            record_pass(out, generated[-1:], (1, 1), start, forward_done, forward_done, clock())
+    out.tokens = torch.tensor([generated], dtype=input_ids.dtype, device=device)
+    return out
+
+
 _CAPACITY_STEP = 256  # compiled passes attend over buffers of a multiple of this many entries
 
 
@@ -92,3 +154,5 @@ def _compile_backend(compile: bool | str) -> str | None:
 tree_pass = _tree_pass
 compiled_pass = _compiled_pass
 speculate_compiled = _speculate_compiled
+token_pass = _token_pass
+autoregressive_compiled = _autoregressive_compiled

@@ -187,9 +187,6 @@ class DecodeConfig:
                 if value is not None:
                     self._host_tree_refused(feature, "a batch (B > 1)")
         if not speculative:
-            if backend is not None:
-                raise ValueError("compile=True compiles the speculative draft-tree pass; speculative=False runs "
-                                 "uncompiled")
             for feature, value in (("lookup branches", self.lookup), ("tree_budget", self.tree_budget)):
                 if value is not None:
                     self._host_tree_refused(feature, "speculative=False")

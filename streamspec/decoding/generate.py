@@ -91,7 +91,8 @@ def generate(
             the device from the stored length, so the cache growing never compiles again; the
             prefill (any prompt length) runs uncompiled. The first call with a given model, tree
             shape, sampler setting (temperature, top_p, top_k; not the seed) and capacity compiles
-            (seconds to minutes); later ones reuse it. Tokens equal ``compile=False`` (greedy, and
+            (seconds to minutes); later ones reuse it. With ``speculative=False`` each one-token
+            pass after the prefill is compiled the same way. Tokens equal ``compile=False`` (greedy, and
             sampled with the same seed) up to float rounding of the compiled kernels. True uses
             the "inductor" backend (a C++ compiler on a CPU); a backend name ("aot_eager",
             "eager") may be given instead. Refused with ``prune_threshold`` (pruning changes the
@@ -132,7 +133,13 @@ def generate(
     if attention_mask is not None and not attention_mask.bool().all():
         input_ids = input_ids[:, attention_mask[0].bool()]  # one sequence: drop its padding
     if not speculative:
-        out = _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, profile)
+        if backend is not None:
+            from .compiled import autoregressive_compiled
+
+            out = autoregressive_compiled(model, input_ids, max_new_tokens, stop_set(eos_token_id), sampler, backend,
+                                          _Clock(input_ids.device, profile))
+        else:
+            out = _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, profile)
         if on_tokens is not None:
             on_tokens(out.tokens[0].tolist())
         return out

@@ -109,8 +109,6 @@ def streaming_method(model, eos_token_id, config: DecodeConfig | None = None, sp
 
     device = next(model.parameters()).device
     config = row_config(config, **options)
-    if not speculative:
-        config = config.replace(compile=False)  # one token per pass runs uncompiled
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
         out = generate(model, ids.to(device), max_new_tokens, eos_token_id=eos_token_id, speculative=speculative,

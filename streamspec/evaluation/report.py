@@ -67,6 +67,8 @@ def markdown_table(summary: dict) -> str:
         columns.insert(5, "identical_to_baseline")
     if any("draft_parameters" in entry for entry in summary.values()):
         columns.append("draft_parameters")
+    if any("x_floor" in entry for entry in summary.values()):  # the memory floor (streamspec.evaluation.peers)
+        columns += ["floor_ms", "x_floor"]
     quality_keys = [k for k in next(iter(summary.values())) if k in ("exact_match", "valid", "rouge1", "rouge2", "rougeL", "rougeLsum")]
     head = ["method", *columns, *quality_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -112,7 +114,7 @@ def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = N
     names = [n for n, e in summary.items() if e.get("speedup") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "speedup", "walltime speedup over the baseline"), (axes[1], "crr", "CRR (tokens per pass)")):
-        ax.barh(names, [summary[n][key] or 0 for n in names])
+        ax.barh(names, [summary[n].get(key) or 0 for n in names])
         ax.axvline(1.0, color="grey", linewidth=0.8)
         ax.invert_yaxis()
         ax.set_title(title)

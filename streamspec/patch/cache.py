@@ -101,6 +101,13 @@ class MainStreamCache:
             if buf is not None and buf.shape[-2] < total:
                 self._reserve(i, buf, total)
 
+    def count_stored(self, length: int) -> None:
+        """Count the first `length` entries of every layer as stored: a compiled pass wrote them in
+        place (`StaticCacheView`), so nothing moves."""
+        if length > self.capacity:
+            raise ValueError(f"cannot count {length} entries stored in buffers of {self.capacity}")
+        self._length = [length if k is not None else n for k, n in zip(self._keys, self._length)]
+
     def crop(self, length: int) -> None:
         """Drop every entry at or after `length`."""
         self._length = [min(n, length) for n in self._length]

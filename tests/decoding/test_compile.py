@@ -85,6 +85,26 @@ def test_seeded_sampling_compiled_equals_uncompiled(models):
     assert _graphs() - before <= 1
 
 
+@pytest.mark.parametrize("arch, backend", [("llama", "inductor"), ("gpt2", "aot_eager")])
+def test_one_token_per_pass_compiled_equals_uncompiled(models, arch, backend):
+    """speculative=False with compile: every pass after the prefill one compiled call, the same
+    tokens as the uncompiled loop, one graph for the whole generation and for a new prompt length."""
+    model = models[arch]
+    compile = True if backend == "inductor" else backend
+    ids = random_ids(1, 9, seed=3)
+    before = _graphs()
+    out = generate(model, ids, 20, speculative=False, compile=compile)
+    assert out.tokens.tolist() == generate_autoregressive(model, ids, 20).tolist()
+    assert out.forward_passes == 20 and out.accepted_per_pass == [1] * 20
+    other = random_ids(1, 14, seed=4)
+    assert generate(model, other, 20, speculative=False, compile=compile).tokens.tolist() == \
+        generate_autoregressive(model, other, 20).tolist()
+    assert _graphs() - before <= 1, "a new prompt length or the growing cache compiled again"
+    sampler = dict(temperature=0.9, top_k=20, seed=7)
+    sampled = generate(model, ids, 16, speculative=False, compile=compile, **sampler)
+    assert sampled.tokens.tolist() == generate(model, ids, 16, speculative=False, **sampler).tokens.tolist()
+
+
 def test_session_compiled_equals_uncompiled(models):
     model = models["gpt2"]
     ids = random_ids(1, 8, seed=4)[0].tolist()
@@ -106,8 +126,6 @@ def test_bad_combinations_are_refused(models):
     ids = random_ids(1, 5, seed=0)
     with pytest.raises(ValueError, match="prune_threshold"):
         generate(model, ids, 4, prune_threshold=0.1, compile=True)
-    with pytest.raises(ValueError, match="speculative=False"):
-        generate(model, ids, 4, speculative=False, compile=True)
     with pytest.raises(ValueError, match="batch"):
         generate(model, random_ids(2, 5, seed=0), 4, compile=True)
     with pytest.raises(ValueError, match="compile must be"):

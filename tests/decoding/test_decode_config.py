@@ -53,8 +53,9 @@ def test_checks_against_the_model_and_batch():
         DecodeConfig(tree_top_k=2).check(model, batch=2)
     with pytest.raises(ValueError, match="a batch"):
         DecodeConfig(tree_budget=5).check(model, batch=2)
+    assert DecodeConfig(compile="eager").check(model, speculative=False).compile == "eager"  # one token per pass compiles
     with pytest.raises(ValueError, match="speculative=False"):
-        DecodeConfig(compile="eager").check(model, speculative=False)
+        DecodeConfig(lookup=PromptLookup()).check(model, speculative=False)
     plain = make_model("llama")
     assert DecodeConfig(verify="host").check(plain) is not None
     with pytest.raises(ValueError, match="streamed models"):
@@ -118,7 +119,7 @@ def test_eval_takes_the_options_every_row_shares():
     assert row_config(compiled, tree_top_k=2).compile == "eager"
     assert row_config(compiled, tree_top_k=2, lookup=PromptLookup()).compile is False
     assert row_config(compiled, prune_threshold=0.1).compile is False
-    assert streaming_method(_model(), 0, compiled, speculative=False).config.compile is False
+    assert streaming_method(_model(), 0, compiled, speculative=False).config.compile == "eager"  # streamed_ar too
 
 
 def test_reason_takes_the_drafters_decode_options_from_the_same_fields(tiny_dir):

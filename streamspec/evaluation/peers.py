@@ -1,0 +1,210 @@
+"""The peers a user would run beside streamspec, and the machine's limit, as benchmark rows.
+
+- ``transformers_compiled``: transformers `generate` with a static cache and `torch.compile`
+  (inductor, fullgraph, static shapes; on a CPU with inductor's weight freezing): the honest
+  "same framework, compiled" baseline. The cache's length is bucketed (a multiple of
+  `CAPACITY_STEP`), so one compiled graph serves every prompt of a bucket; the compile time of the
+  first call is paid in the benchmark's untimed warm-up and reported (`compile_seconds`).
+- ``llama_cpp`` / ``llama_cpp_lookup``: the same model through llama.cpp's server (the
+  ``xllamacpp`` wheel, in process, `streamspec.llamacpp.LlamaCppServer`) on a GGUF (the default
+  model's own, or one given), plain and with llama.cpp's own n-gram (prompt-lookup) speculation.
+  A quantized GGUF computes other numbers than the transformers model: its outputs are compared,
+  not required equal (``identical_to_baseline``).
+- ``memory_floor``: what one pass must read (the weights, and the KV cache at the run's mean
+  context) over this machine's measured read bandwidth (`measure_read_bandwidth`, the benchmark's
+  thread count): the fastest a pass can be when it is bound by memory, as it is at batch 1. Every
+  row gets ``floor_ms`` (its own model's floor) and ``x_floor`` (its decoding step's ms as a
+  multiple of it: the step split when the row has one, else ms per pass with its prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+PEERS = ("transformers_compiled", "llama_cpp", "llama_cpp_lookup", "memory_floor")
+CAPACITY_STEP = 256  # transformers_compiled's static cache holds a multiple of this many tokens
+
+
+def peers_arg(text: str) -> tuple[str, ...]:
+    """``--peers``: ``auto`` (every peer; the llama.cpp rows when a GGUF is known), ``none``, or a
+    comma-separated list of `PEERS`."""
+    if text in ("auto", "all"):
+        return PEERS
+    if text in ("none", ""):
+        return ()
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}: choose from {list(PEERS)}, 'auto' or 'none'")
+    return names
+
+
+def check_peers(peers) -> tuple[str, ...]:
+    peers = tuple(peers or ())
+    unknown = [n for n in peers if n not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}: choose from {list(PEERS)}")
+    return peers
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers, compiled
+
+
+def transformers_compiled_method(model, eos_token_id, cpp_wrapper: bool = False) -> Callable:
+    """transformers `generate` with a static cache through `torch.compile` (see the module
+    docstring). Greedy; counts one pass per new token (the prefill gives the first). The method's
+    ``compile_seconds`` holds the first call's duration per cache length (its compile)."""
+    from transformers import CompileConfig, StaticCache
+
+    device = next(model.parameters()).device
+    options = {"freezing": True} if device.type == "cpu" else None
+    if cpp_wrapper:
+        options = {**(options or {}), "cpp_wrapper": True}
+    # torch.compile takes a mode or options, not both: CUDA graphs on a GPU, inductor's options on a CPU
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=None if options else "reduce-overhead", options=options)
+    config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+    caches: dict[int, object] = {}
+    compile_seconds: dict[int, float] = {}
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
+        from ..kernels import default_linear_kernels
+
+        ids = ids.to(device)
+        capacity = -(-(ids.shape[1] + max_new_tokens) // CAPACITY_STEP) * CAPACITY_STEP
+        first = capacity not in caches
+        if first:
+            caches[capacity] = StaticCache(config=model.config, max_cache_len=capacity)
+        else:
+            caches[capacity].reset()
+        start = time.perf_counter()
+        # the benchmark's pass counters hook the model (`CallCounter`): a compiled graph would trace them
+        hooks = dict(model._forward_pre_hooks)
+        model._forward_pre_hooks.clear()
+        try:
+            with torch.no_grad(), default_linear_kernels(model):  # inductor packs the weights itself
+                out = model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                    eos_token_id=eos_token_id, pad_token_id=eos_token_id, cache=caches[capacity],
+                    compile_config=config,
+                )
+        finally:
+            model._forward_pre_hooks.update(hooks)
+        if first:
+            compile_seconds[capacity] = round(time.perf_counter() - start, 1)
+        new = out[0, ids.shape[1]:].tolist()
+        return new, len(new), [], {}
+
+    run.__name__ = "transformers_compiled"
+    run.compile_seconds = compile_seconds
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp
+
+
+def llama_cpp_method(name: str, url: str) -> Callable:
+    """Greedy completions of the prompt's token ids from the llama.cpp server at `url` (its
+    ``/completion`` endpoint, no prompt cache: every prompt prefilled whole, as ours are). Passes
+    are the tokens predicted less the drafts llama.cpp accepted; the split is llama.cpp's own
+    timings (prefill, decoding) and the rest (HTTP and JSON)."""
+    from ..llamacpp import post_json
+
+    def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
+        start = time.perf_counter()
+        answer = post_json(url.rstrip("/") + "/completion", {
+            "prompt": [int(t) for t in ids[0].tolist()], "n_predict": max_new_tokens, "temperature": 0.0,
+            "top_k": 1, "cache_prompt": False, "return_tokens": True,
+        })
+        wall = time.perf_counter() - start
+        tokens = [int(t) for t in answer.get("tokens") or []]
+        timings = answer.get("timings") or {}
+        accepted = int(timings.get("draft_n_accepted") or 0)
+        passes = max(len(tokens) - accepted, 1 if tokens else 0)
+        prefill, decode = timings.get("prompt_ms", 0.0) / 1000, timings.get("predicted_ms", 0.0) / 1000
+        split = {"prefill": prefill, "forward": decode, "head": 0.0, "overhead": max(wall - prefill - decode, 0.0)}
+        return tokens, passes, [], split
+
+    run.__name__ = name
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# the memory floor
+
+
+def measure_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """This machine's read bandwidth in bytes/s at torch's thread count: the best of `repeats`
+    sums over a `megabytes` float32 tensor (larger than any cache, read once per sum)."""
+    if megabytes < 64:
+        raise ValueError(f"megabytes must be >= 64 (a buffer that fits a cache measures the cache), got {megabytes}")
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()  # touch every page once
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decoding pass reads: every parameter once (tied ones once), less the
+    input embedding table when it is not also the LM head (a pass reads only its tokens' rows)."""
+    seen, total = set(), 0
+    skip = None
+    inner = getattr(model, "hf_model", model)
+    if hasattr(inner, "get_input_embeddings") and hasattr(inner, "get_output_embeddings"):
+        inputs, outputs = inner.get_input_embeddings(), inner.get_output_embeddings()
+        if inputs is not None and (outputs is None or outputs.weight.data_ptr() != inputs.weight.data_ptr()):
+            skip = inputs.weight.data_ptr()
+    for param in model.parameters():
+        ptr = param.data_ptr()
+        if ptr in seen or ptr == skip:
+            continue
+        seen.add(ptr)
+        total += param.numel() * param.element_size()
+    return total
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one cached token holds across the model's layers."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def floor_ms(model_bytes: int, kv_per_token: int, context: float, bandwidth: float) -> float:
+    """The memory floor of one pass in ms: weights plus the KV cache at `context` tokens."""
+    return 1000 * (model_bytes + kv_per_token * context) / bandwidth
+
+
+def add_memory_floor(summary: dict, floors: dict[str, float], bandwidth: float, details: dict) -> None:
+    """Give every row of `summary` its floor (``floor_ms``: `floors` by row, default the base
+    model's) and ``x_floor``; add the ``memory_floor`` row (one token per pass at the floor)."""
+    base_floor = floors.get("baseline")
+    for name, entry in summary.items():
+        floor = floors.get(name, base_floor)
+        if not floor:
+            continue
+        step = None
+        if entry.get("ms_per_step_forward") is not None:
+            step = sum(entry.get(f"ms_per_step_{k}") or 0.0 for k in ("forward", "head", "overhead"))
+        basis, ms = ("decoding step", step) if step else ("pass, prefill included", entry.get("ms_per_pass"))
+        entry["floor_ms"] = round(floor, 2)
+        if ms:
+            entry["x_floor"] = round(ms / floor, 2)
+            entry["floor_basis"] = basis
+    base = summary.get("baseline", {})
+    tps = 1000 / base_floor if base_floor else None
+    summary["memory_floor"] = {
+        "tokens_per_second": round(tps, 2) if tps else None,
+        "speedup": round(tps / base["tokens_per_second"], 3) if tps and base.get("tokens_per_second") else None,
+        "ms_per_pass": round(base_floor, 2) if base_floor else None,
+        "read_gb_per_s": round(bandwidth / 1e9, 2),
+        **details,
+    }
