@@ -20,6 +20,7 @@ entries the judge pass wrote.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -28,7 +29,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
 
 from ..decoding.config import DecodeConfig, decode_config_of
 from ..decoding.sampling import Sampler
@@ -36,7 +36,7 @@ from ..decoding.session import DecodingSession
 from ..loading import eos_ids
 from .config import BackendConfig
 from ..data.reasoning import solve_message
-from .prompts import JUDGE_REPLY_OPENING, JUDGE_REQUEST
+from .judging import DEFAULT_REQUEST, JudgeRequest, answer_of, answer_token_ids, judge_request
 
 logger = logging.getLogger(__name__)
 _SENTINEL = "\u2063STREAMSPEC-STEP\u2063"
@@ -67,21 +67,39 @@ class Generation:
 
 @dataclass
 class Judgement:
-    """The judge's view of a step: probabilities of the digits 0..9 as its next token, the digit
-    of its single most likely token (None when that token is not a digit), tokens read, time."""
+    """The judge's view of a step, read from its next-token distribution after the request
+    (`streamspec.reason.judging`): the probability of each of the request's answers
+    (`answer_probs`), the answer its single most likely token stands for (`top_answer`, None
+    when none), tokens read, time. For the paper's ``score_0_9`` request also as `digit_probs`
+    (P(d) for d in 0..9) and `top_digit`."""
 
     digit_probs: list[float]
     top_digit: int | None
     tokens_read: int
     seconds: float
+    answer_probs: dict[str, float] | None = None
+    top_answer: str | None = None
+    request: str = DEFAULT_REQUEST
+
+    def __post_init__(self) -> None:
+        if self.answer_probs is None:  # made from digits (score_0_9)
+            self.answer_probs = {str(d): float(p) for d, p in enumerate(self.digit_probs)}
+            self.top_answer = None if self.top_digit is None else str(self.top_digit)
+
+    @classmethod
+    def of_answers(cls, request: JudgeRequest, answer_probs: dict[str, float], top_answer: str | None,
+                   tokens_read: int, seconds: float) -> "Judgement":
+        digits = request.name == "score_0_9"
+        return cls([answer_probs.get(str(d), 0.0) for d in range(10)] if digits else [],
+                   int(top_answer) if digits and top_answer is not None else None, tokens_read, seconds,
+                   answer_probs=dict(answer_probs), top_answer=top_answer, request=request.name)
 
     def score(self, how: str) -> float:
-        """``"argmax"``: the most likely token's digit (a non-digit counts as 0); ``"expected"``:
-        Σ d·p(d) over the digits, renormalised over them (0 when they have no mass)."""
-        if how == "argmax":
-            return float(self.top_digit or 0)
-        mass = sum(self.digit_probs)
-        return 0.0 if mass <= 0 else sum(d * p for d, p in enumerate(self.digit_probs)) / mass
+        """The reading `how` of the answer (`JudgeRequest.score`): for ``score_0_9``
+        ``"argmax"`` (the most likely token's digit; a non-digit counts as 0) or ``"expected"``
+        (Σ d·p(d) over the digits, renormalised); for the yes/no requests P(the step is right)
+        or the log-odds."""
+        return judge_request(self.request).score(self.answer_probs, self.top_answer, how)
 
 
 @dataclass
@@ -117,9 +135,10 @@ class Backend(ABC):
         """Generate and keep text until `stop` says it is complete or `max_tokens` are spent."""
 
     @abstractmethod
-    def judge(self, step: str) -> Judgement:
-        """Keep `step` and read the digit distribution after the judging request (the request
-        itself is not kept)."""
+    def judge(self, step: str, request: str | JudgeRequest | None = None) -> Judgement:
+        """Keep `step` and read the answer distribution after the judging `request` (a name of
+        `streamspec.reason.judging.JUDGE_REQUESTS`; default the paper's 0-9 score); the request
+        itself is not kept."""
 
     def close(self) -> None:
         """Release what the backend holds (connections)."""
@@ -162,21 +181,23 @@ class ChatFrame:
         return self.head + solve_message(problem) + self.tail
 
 
-def chat_frame(tokenizer) -> ChatFrame:
+def chat_frame(tokenizer, request: str | JudgeRequest = DEFAULT_REQUEST) -> ChatFrame:
     """Render the tokenizer's chat template once around sentinels: the conversation the judge
-    sees is exactly the template's rendering of [user: problem, assistant: steps, user: request]."""
+    sees is exactly the template's rendering of [user: problem, assistant: steps, user: request]
+    (`request`: a `streamspec.reason.judging.JudgeRequest` or its name)."""
+    request = judge_request(request)
     if getattr(tokenizer, "chat_template", None):
         problem_mark = "\u2063STREAMSPEC-PROBLEM\u2063"
         messages = [{"role": "user", "content": problem_mark}, {"role": "assistant", "content": _SENTINEL},
-                    {"role": "user", "content": JUDGE_REQUEST}]
+                    {"role": "user", "content": request.text}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if text.count(_SENTINEL) != 1 or text.count(problem_mark) != 1:
             raise ValueError("the chat template does not render the assistant's turn verbatim; SpecReason needs it to")
         before, after = text.split(_SENTINEL)
         head, tail = before.split(problem_mark)
         # the solving prompt's user message is what solve_message makes of the problem
-        return ChatFrame(head=head, tail=tail, judge_suffix=after + JUDGE_REPLY_OPENING)
-    return ChatFrame(head="", tail="\n\nSolution:\n", judge_suffix=f"\n\n{JUDGE_REQUEST}\n{JUDGE_REPLY_OPENING}")
+        return ChatFrame(head=head, tail=tail, judge_suffix=after + request.reply_opening)
+    return ChatFrame(head="", tail="\n\nSolution:\n", judge_suffix=f"\n\n{request.text}\n{request.reply_opening}")
 
 
 def _render_problem(frame: ChatFrame, problem: str) -> str:
@@ -185,22 +206,11 @@ def _render_problem(frame: ChatFrame, problem: str) -> str:
     return frame.prefix(problem)
 
 
-@lru_cache(maxsize=8)
 def _digit_ids(tokenizer) -> tuple[tuple[int, ...], ...]:
     """Every vocabulary entry that renders as one digit, with or without surrounding space, per
-    digit 0..9."""
-    found: list[list[int]] = [[] for _ in range(10)]
-    has_digit = re.compile(r"[0-9]")
-    for token, index in tokenizer.get_vocab().items():
-        if len(token) > 4 or not has_digit.search(token):
-            continue
-        text = tokenizer.convert_tokens_to_string([token]).strip()
-        if len(text) == 1 and "0" <= text <= "9":
-            found[int(text)].append(index)
-    if not all(found):
-        missing = [d for d in range(10) if not found[d]]
-        raise ValueError(f"the judge's tokenizer has no single-digit token for {missing}; it cannot give a 0-9 score")
-    return tuple(tuple(ids) for ids in found)
+    digit 0..9 (the ``score_0_9`` request's answers)."""
+    found = answer_token_ids(tokenizer, judge_request("score_0_9"))
+    return tuple(found[str(d)] for d in range(10))
 
 
 # -- in process -----------------------------------------------------------------------------------
@@ -233,7 +243,7 @@ class LocalBackend(Backend):
             config = config.replace(tree_top_k=default_tree(model))
         self.session = DecodingSession(model, config=config) if self.streamed else DecodingSession(model)
         self.eos = eos_ids(model, tokenizer)
-        self._suffix_ids = self._encode(self.frame.judge_suffix)
+        self._suffixes: dict[str, list[int]] = {}
         self._sampler: Sampler | None = None
         self._sampler_key = None
 
@@ -294,19 +304,25 @@ class LocalBackend(Backend):
         return Generation(text=text, tokens=len(out.tokens), passes=out.forward_passes, seconds=out.seconds,
                           ended=out.ended)
 
-    def judge(self, step: str) -> Judgement:
+    def _suffix_ids(self, request: JudgeRequest) -> list[int]:
+        if request.name not in self._suffixes:
+            self._suffixes[request.name] = self._encode(chat_frame(self.tokenizer, request).judge_suffix)
+        return self._suffixes[request.name]
+
+    def judge(self, step: str, request: str | JudgeRequest | None = None) -> Judgement:
         start = time.perf_counter()
+        request = judge_request(request or DEFAULT_REQUEST)
+        answers = answer_token_ids(self.tokenizer, request)
         self.append(step)
         keep = self.mark()
-        self.session.extend(self._suffix_ids)
+        self.session.extend(self._suffix_ids(request))
         read = len(self.session) - self.session.cached
         probs = self.session.next_logits().softmax(-1)
         self.session.rollback(keep)
-        digits = _digit_ids(self.tokenizer)
-        digit_probs = [float(probs[list(ids)].sum()) for ids in digits]
+        answer_probs = {a: float(probs[list(ids)].sum()) for a, ids in answers.items()}
         top = int(probs.argmax())
-        top_digit = next((d for d, ids in enumerate(digits) if top in ids), None)
-        return Judgement(digit_probs, top_digit, read, time.perf_counter() - start)
+        top_answer = next((a for a, ids in answers.items() if top in ids), None)
+        return Judgement.of_answers(request, answer_probs, top_answer, read, time.perf_counter() - start)
 
 
 def default_tree(model) -> tuple[int, ...]:
@@ -351,6 +367,7 @@ class ServerBackend(Backend):
                 raise ValueError(f"the {name} at {url} needs a tokenizer for its chat template; {source!r} did not load "
                                  f"({str(err).splitlines()[0]}); pass tokenizer= (a folder or hub id)") from err
         self.frame = chat_frame(tokenizer)
+        self._tokenizer = tokenizer
         self._check_server()
         self.text = ""
         self._calls = 0
@@ -427,30 +444,111 @@ class ServerBackend(Backend):
         self.text += text
         return Generation(text=text, tokens=tokens, passes=None, seconds=time.perf_counter() - start, ended=ended)
 
-    def judge(self, step: str) -> Judgement:
+    def judge(self, step: str, request: str | JudgeRequest | None = None) -> Judgement:
         start = time.perf_counter()
+        request = judge_request(request or DEFAULT_REQUEST)
         self.text += step
-        reply = self._complete({"prompt": self.text + self.frame.judge_suffix, "max_tokens": 1, "temperature": 0.0,
-                                "logprobs": 20})
+        suffix = chat_frame(self._tokenizer, request).judge_suffix if request.name != DEFAULT_REQUEST else \
+            self.frame.judge_suffix
+        reply = self._complete({"prompt": self.text + suffix, "max_tokens": 1, "temperature": 0.0, "logprobs": 20})
         choice = reply["choices"][0]
-        logprobs = choice.get("logprobs") or {}
-        top = (logprobs.get("top_logprobs") or [{}])[0] or {}
-        digit_probs = [0.0] * 10
-        for token, logprob in top.items():
-            text = token.strip()
-            if len(text) == 1 and "0" <= text <= "9":
-                digit_probs[int(text)] += float(torch.tensor(logprob).exp())
-        first = (choice.get("text") or "").strip()
-        top_digit = int(first) if len(first) == 1 and "0" <= first <= "9" else None
+        answer_probs = dict.fromkeys(request.answers, 0.0)
+        for token, logprob in top_logprobs(choice):
+            answer = answer_of(token, request)
+            if answer is not None:
+                answer_probs[answer] += math.exp(float(logprob))
+        top_answer = answer_of(choice.get("text") or "", request)
         read = int((reply.get("usage") or {}).get("prompt_tokens") or 0)
-        return Judgement(digit_probs, top_digit, read, time.perf_counter() - start)
+        return Judgement.of_answers(request, answer_probs, top_answer, read, time.perf_counter() - start)
 
     def close(self) -> None:
         self.client.close()
 
 
+class LlamaCppBackend(ServerBackend):
+    """A GGUF on llama.cpp, run in this process: `streamspec.llamacpp.LlamaCppServer` (the
+    ``xllamacpp`` wheel) bound to 127.0.0.1 on a free port with `threads` threads and prompt
+    caching on (a judgement prefills only the new step), read as a `ServerBackend`; `close`
+    stops it.
+
+    Args:
+        gguf: a ``.gguf`` path or a built-in name (`role_gguf`): the default model
+            (``streamspec:SmolLM2-135M-Instruct``) or a reasoning model of
+            `streamspec.reason.assets` (``streamspec:Qwen2.5-Coder-1.5B-Instruct``: the joined,
+            verified GGUF that ``make reason-assets`` checks).
+        threads: llama.cpp's CPU threads (keep every job's threads within the cores).
+        tokenizer: where the chat template comes from (default: the built-in model's, or the
+            GGUF's own through transformers).
+        context: tokens of context.
+    """
+
+    def __init__(self, gguf: str, threads: int = 1, tokenizer=None, context: int = 8192, name: str = "model",
+                 timeout: float = 600.0, retries: int = 0) -> None:
+        from ..llamacpp import LlamaCppServer, server_model_id
+
+        path = role_gguf(gguf)
+        tokenizer = tokenizer if tokenizer is not None else _gguf_tokenizer(gguf, path)
+        self.server = LlamaCppServer(path, threads=threads, context=context).__enter__()
+        try:
+            super().__init__(self.server.url + "/v1", server_model_id(self.server.url), tokenizer=tokenizer,
+                             timeout=timeout, retries=retries, name=name)
+        except Exception:
+            self.server.__exit__(None, None, None)
+            raise
+        self.gguf = path
+
+    def close(self) -> None:
+        super().close()
+        self.server.__exit__(None, None, None)
+
+
+def role_gguf(name: str):
+    """The GGUF file a ``llama.cpp:`` role names: a path, the default model's name, or a
+    reasoning model's ``streamspec:`` id (joined and verified by `streamspec.reason.assets`)."""
+    from ..assets import BUILTIN_PREFIX, DEFAULT_MODEL_ID
+    from ..llamacpp import gguf_path
+    from .assets import REASON_MODELS, check_gguf, join_gguf
+
+    key = name[len(BUILTIN_PREFIX):].lower() if name.startswith(BUILTIN_PREFIX) else None
+    if name != DEFAULT_MODEL_ID and key in REASON_MODELS:
+        path = join_gguf(name)
+        check_gguf(path, name)
+        return path
+    return gguf_path(name)
+
+
+def _gguf_tokenizer(name: str, path):
+    """The tokenizer of a ``llama.cpp:`` role: a built-in model's, else the GGUF's own."""
+    from ..assets import BUILTIN_PREFIX, load_tokenizer
+
+    if name.startswith(BUILTIN_PREFIX) or name == "default":
+        return load_tokenizer(name if name != "default" else BUILTIN_PREFIX + "SmolLM2-135M-Instruct")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def top_logprobs(choice: dict) -> list[tuple[str, float]]:
+    """The first generated token's top alternatives (token text, log-probability) from a
+    ``/completions`` choice, in either shape servers answer with: the legacy
+    ``logprobs.top_logprobs[0]`` mapping (vLLM, SGLang, `streamspec serve`) or the chat shape
+    ``logprobs.content[0].top_logprobs`` list (llama.cpp's server)."""
+    logprobs = choice.get("logprobs") or {}
+    legacy = logprobs.get("top_logprobs")
+    if legacy:
+        return [(str(t), float(lp)) for t, lp in (legacy[0] or {}).items()]
+    content = logprobs.get("content") or []
+    if content:
+        return [(str(e.get("token", "")), float(e.get("logprob", -math.inf))) for e in content[0].get("top_logprobs") or []]
+    return []
+
+
 def backend_from_config(config: BackendConfig, name: str) -> Backend:
-    """Build the backend a `BackendConfig` describes (loading an in-process model)."""
+    """Build the backend a `BackendConfig` describes (loading an in-process model, or starting a
+    llama.cpp server for a ``llama.cpp:GGUF`` source)."""
+    if config.llama_cpp is not None:
+        return LlamaCppBackend(config.llama_cpp, threads=config.threads, tokenizer=config.tokenizer,
+                               timeout=config.timeout, retries=config.retries, name=name)
     if config.is_server:
         return ServerBackend(config.source, config.model, tokenizer=config.tokenizer, timeout=config.timeout,
                              retries=config.retries, api_key=config.api_key, name=name)

@@ -11,6 +11,7 @@ from .config import BackendConfig, ReasonSetup, load_reason_config
 _REASON_FLAGS = {  # flag -> (ReasonConfig field, type)
     "--threshold": ("threshold", float),
     "--score": ("score", str),
+    "--judge-request": ("judge_request", str),
     "--token-budget": ("token_budget", int),
     "--step-max-tokens": ("step_max_tokens", int),
     "--first-base-steps": ("first_base_steps", int),
@@ -58,7 +59,13 @@ def add_reason_commands(sub) -> None:
     ev.add_argument("--no-plain", action="store_true", help="skip SpecReason with the drafter without streams")
     ev.add_argument("--calibrate", action="store_true",
                     help="also score CHAMP's annotated solutions with the judge (AUROC of good vs wrong steps)")
+    ev.add_argument("--calibrate-only", action="store_true",
+                    help="only the judge's calibration (--calibrate without solving any problem)")
     ev.add_argument("--calibration-limit", type=int, default=50, help="annotated solutions to score")
+    ev.add_argument("--judge-requests", nargs="+", default=None, metavar="REQUEST",
+                    help="with --calibrate: the judge requests to compare (default: every one of "
+                         "streamspec.reason.judging.JUDGE_REQUESTS)")
+    ev.add_argument("--calibration-steps", type=int, default=8, help="with --calibrate: steps scored per solution")
     ev.add_argument("--out", default="runs/reason-eval", help="folder for traces.jsonl, summary.json/md and plots")
 
 
@@ -149,23 +156,31 @@ def run_reason_eval(args, out=None) -> int:
     from .report import markdown, save_report, summarize
     from .tasks import champ_annotated_solutions, load_problems
 
+    if getattr(args, "calibrate_only", False) and args.task is None and args.data is None:
+        args.task = "champ"  # the calibration's own annotated solutions
     if (args.task is None) == (args.data is None):
         raise ValueError("streamspec reason-eval needs exactly one of --task or --data")
     setup = setup_from_args(args)
     if setup.base is None and setup.drafter is None:
         raise ValueError("streamspec reason-eval needs --base and/or --drafter")
-    problems = load_problems(task=args.task, data=args.data, limit=args.limit, offset=args.offset)
-    base, drafter, judge, plain = _backends(setup, need_plain=not args.no_plain)
-    traces = evaluate(problems, setup.reason, args.out, base=base, drafter=drafter, plain_drafter=plain,
-                      thresholds=args.thresholds, methods=args.methods)
+    calibrate_only = getattr(args, "calibrate_only", False)
+    problems = [] if calibrate_only else load_problems(task=args.task, data=args.data, limit=args.limit,
+                                                       offset=args.offset)
+    base, drafter, judge, plain = _backends(setup, need_plain=not args.no_plain and not calibrate_only)
+    traces = [] if calibrate_only else evaluate(problems, setup.reason, args.out, base=base, drafter=drafter,
+                                                plain_drafter=plain, thresholds=args.thresholds, methods=args.methods)
     wanted = {(p.id) for p in problems}
     traces = [t for t in traces if t.problem_id in wanted]
     summary = summarize(traces)
-    if args.calibrate:
+    if args.calibrate or calibrate_only:
         judge_backend = judge or base
         if judge_backend is None:
             raise ValueError("streamspec reason-eval --calibrate needs a base or a judge")
-        summary["calibration"] = calibrate(judge_backend, champ_annotated_solutions(limit=args.calibration_limit), args.out)
+        from .judging import JUDGE_REQUESTS
+
+        summary["calibration"] = calibrate(judge_backend, champ_annotated_solutions(limit=args.calibration_limit),
+                                           args.out, max_steps=args.calibration_steps,
+                                           requests=args.judge_requests or list(JUDGE_REQUESTS))
     files = save_report(summary, traces, args.out)
     out.write(markdown(summary) + "\n")
     out.write("wrote " + ", ".join(str(p) for p in files.values()) + "\n")

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-SCORES = ("argmax", "expected")
+SCORES = ("argmax", "expected", "p_no_error", "p_correct", "log_odds")  # every request's readings
 ANSWER_FORMATS = ("boxed", "gsm8k", "number")
 
 
@@ -22,9 +22,17 @@ class ReasonConfig:
     """How SpecReason decides each step (METHOD §2), with the defaults of the public code.
 
     Args:
-        threshold: keep a drafted step when the judge's score is >= this (0..9).
-        score: ``"argmax"`` (the judge's most likely next token; a non-digit counts as 0) or
-            ``"expected"`` (Σ d·p(d) over the digit tokens' probabilities, renormalised).
+        judge_request: what the judge is asked (`streamspec.reason.judging.JUDGE_REQUESTS`):
+            ``"score_0_9"`` (the paper's 0-9 score), ``"error_yes_no"`` or ``"correct_yes_no"``
+            (the YAML key ``judge.request`` sets it too).
+        threshold: keep a drafted step when the judge's score is >= this, in the score's own
+            units (0..9 for score_0_9; a probability for the yes/no requests' first reading);
+            default the request's (7 for score_0_9, 0.5 for the yes/no requests).
+        score: how the answer is read, one of the request's readings (default its first): for
+            score_0_9 ``"argmax"`` (the judge's most likely next token; a non-digit counts as
+            0) or ``"expected"`` (Σ d·p(d) over the digit tokens' probabilities, renormalised);
+            for error_yes_no ``"p_no_error"`` or ``"log_odds"``; for correct_yes_no
+            ``"p_correct"`` or ``"log_odds"``.
         step_delimiter: a step is the text up to and including this.
         step_max_tokens: the most tokens one step may take.
         token_budget: every generated token counts (kept and rejected drafts, rewrites, the
@@ -39,8 +47,9 @@ class ReasonConfig:
             ``\\boxed{}``), ``"gsm8k"`` (boxed, else a final ``#### N``), ``"number"`` (the last number).
     """
 
-    threshold: float = 7.0
-    score: str = "argmax"
+    threshold: float | None = None
+    score: str | None = None
+    judge_request: str = "score_0_9"
     step_delimiter: str = "\n\n"
     step_max_tokens: int = 512
     token_budget: int = 8192
@@ -52,11 +61,25 @@ class ReasonConfig:
     answer_format: str = "boxed"
 
     def __post_init__(self) -> None:
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not 0 <= self.threshold <= 9:
-            raise ValueError(f"ReasonConfig.threshold must be a number in [0, 9], got {self.threshold!r}")
+        from .judging import JUDGE_REQUESTS
+
+        if self.judge_request not in JUDGE_REQUESTS:
+            raise ValueError(f"ReasonConfig.judge_request must be one of {list(JUDGE_REQUESTS)}, got {self.judge_request!r}")
+        request = JUDGE_REQUESTS[self.judge_request]
+        if self.score is None:
+            self.score = request.scores[0]
+        if self.score not in request.scores:
+            raise ValueError(f"ReasonConfig.score must be one of {list(request.scores)} for the judge request "
+                             f"{self.judge_request!r}, got {self.score!r}")
+        if self.threshold is None:
+            self.threshold = request.default_threshold
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
+            raise ValueError(f"ReasonConfig.threshold must be a number, got {self.threshold!r}")
+        try:
+            request.check_threshold(float(self.threshold), self.score)
+        except ValueError as err:
+            raise ValueError(f"ReasonConfig.threshold: {err}") from None
         self.threshold = float(self.threshold)
-        if self.score not in SCORES:
-            raise ValueError(f"ReasonConfig.score must be one of {list(SCORES)}, got {self.score!r}")
         if not isinstance(self.step_delimiter, str) or not self.step_delimiter:
             raise ValueError(f"ReasonConfig.step_delimiter must be a non-empty string, got {self.step_delimiter!r}")
         for name in ("step_max_tokens", "token_budget", "answer_max_tokens"):
@@ -92,7 +115,10 @@ class BackendConfig:
     Args:
         source: a streamed checkpoint folder, a model folder, a hub id, the default model id
             (``streamspec:SmolLM2-135M-Instruct``), a folder holding `gguf_file`, or the URL of
-            an OpenAI-compatible server (``http://host:port/v1``).
+            an OpenAI-compatible server (``http://host:port/v1``), or ``llama.cpp:GGUF``: a GGUF
+            (a path, ``streamspec:SmolLM2-135M-Instruct`` or a reasoning model's id such as
+            ``streamspec:Qwen2.5-Coder-1.5B-Instruct``) on llama.cpp started in this process
+            (`streamspec.reason.backends.LlamaCppBackend`).
         model: the served model name (servers only; required there: no model listing per call).
         gguf_file: a GGUF file name inside the `source` folder.
         tokenizer: where the chat template comes from for a server (default: `model`); in
@@ -108,6 +134,7 @@ class BackendConfig:
             (`decode_config`).
         timeout: seconds per server request; retries: further tries after a failed one.
         api_key: sent as a bearer token to a server (default: $OPENAI_API_KEY, else none).
+        threads: llama.cpp's CPU threads for a ``llama.cpp:`` source.
     """
 
     source: str
@@ -126,10 +153,15 @@ class BackendConfig:
     timeout: float = 300.0
     retries: int = 2
     api_key: str | None = None
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"BackendConfig.source must be a model path, id or server URL, got {self.source!r}")
+        if self.llama_cpp is not None and not self.llama_cpp:
+            raise ValueError("BackendConfig.source llama.cpp: needs a GGUF after the colon (a path or a built-in name)")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"BackendConfig.threads must be an integer >= 1, got {self.threads!r}")
         if self.is_server and not self.model:
             raise ValueError(f"BackendConfig.model must name the served model for the server {self.source}")
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
@@ -147,6 +179,13 @@ class BackendConfig:
         lookup = PromptLookup.parse(self.lookup) if isinstance(self.lookup, str) else self.lookup
         return DecodeConfig(tree_top_k=top_k, prune_threshold=self.prune_threshold, lookup=lookup,
                             tree_budget=self.tree_budget, verify=self.verify, compile=self.compile)
+
+    @property
+    def llama_cpp(self) -> str | None:
+        """The GGUF of a ``llama.cpp:GGUF`` source, else None."""
+        from ..llamacpp import parse_llama_cpp
+
+        return parse_llama_cpp(self.source)
 
     @property
     def is_server(self) -> bool:
@@ -185,6 +224,11 @@ def load_reason_config(path: str | Path | None = None, overrides: list[str] | No
             raise ValueError(f"override {item!r}: unknown section {section!r}; allowed: {sorted(_SECTIONS)}")
         raw.setdefault(section, {})
         raw[section][name] = yaml.safe_load(value)
+    judge = raw.get("judge")
+    if isinstance(judge, dict) and "request" in judge:  # judge.request: how the judge is asked (a reason setting)
+        raw.setdefault("reason", {})["judge_request"] = judge.pop("request")
+        if not judge:
+            del raw["judge"]
     unknown = sorted(set(raw) - set(_SECTIONS))
     if unknown:
         raise ValueError(f"{path or 'reason config'}: unknown section(s) {unknown}; allowed: {sorted(_SECTIONS)}")

@@ -33,6 +33,7 @@ from .trace import ReasonTrace
 logger = logging.getLogger(__name__)
 TRACES_FILE = "traces.jsonl"
 CALIBRATION_FILE = "calibration.jsonl"
+THRESHOLD_GRID = tuple(range(10))  # the 0-9 score's thresholds, reported one by one
 
 
 def method_names(thresholds: Iterable[float], drafter: bool, base: bool, plain: bool) -> list[str]:
@@ -147,38 +148,67 @@ def run_method(method: str, problem: Problem, config: ReasonConfig, base: Backen
     return trace
 
 
-def calibrate(judge: Backend, solutions, out_dir: str | Path, max_steps: int = 12, progress: bool = True) -> dict:
-    """Score every step of CHAMP's annotated solutions with the judge (each step judged after the
-    ones before it, as SpecReason would) and measure how well the score separates steps before
-    the first wrong step (good) from the rest: AUROC, and per threshold the share of good steps
-    kept and of bad steps rejected (`streamspec.reason.report.calibration`). Scores are appended
-    to ``calibration.jsonl`` per solution, so the run resumes."""
+def calibrate(judge: Backend, solutions, out_dir: str | Path, max_steps: int = 12, progress: bool = True,
+              requests: Iterable[str] = ("score_0_9",)) -> dict:
+    """Score every step of CHAMP's annotated solutions with the judge, once per judge request
+    (`streamspec.reason.judging.JUDGE_REQUESTS`; each step judged after the ones before it, as
+    SpecReason would), and measure how well each reading of each request separates steps before
+    the first wrong step (good) from the rest (`streamspec.reason.report.calibration`): AUROC
+    plain and within position (pairs of steps at the same index: the plain figure is confounded,
+    since a step is good until the first wrong one and position alone separates), and a fitted
+    threshold in the reading's units. The step's position alone (earlier = better) is reported
+    beside them, and ``best`` names the request and reading that separate best within position.
+    Scores are appended to ``calibration.jsonl`` per solution and request, so the run resumes."""
     from tqdm.auto import tqdm
 
+    from .judging import judge_request
     from .report import calibration
 
+    requests = [judge_request(r) for r in requests]
+    if not requests:
+        raise ValueError("calibrate needs at least one judge request")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / CALIBRATION_FILE
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] \
         if path.is_file() else []
-    done = {row["key"] for row in rows}
+    for row in rows:
+        row.setdefault("request", "score_0_9")  # rows of runs before judge requests were a setting
+    done = {(row["request"], row["key"]) for row in rows}
+    solutions = list(solutions)
     with path.open("a", encoding="utf-8") as handle:
-        for number, solution in enumerate(tqdm(solutions, desc="calibration", unit="solution", disable=not progress)):
-            key = f"{solution.problem_id}/{number}"
-            if key in done:
-                continue
-            judge.start(solution.question)
-            for k, step in enumerate(solution.steps[:max_steps]):
-                verdict = judge.judge(step if step.endswith("\n\n") else step.rstrip("\n") + "\n\n")
-                good = solution.first_wrong_step is None or k < solution.first_wrong_step
-                row = {"key": key, "step": k, "good": good, "argmax": verdict.score("argmax"),
-                       "expected": verdict.score("expected")}
-                handle.write(json.dumps(row) + "\n")
-                rows.append(row)
-            handle.flush()
-    result = {how: calibration([(row[how], row["good"]) for row in rows]) for how in ("argmax", "expected")}
-    result["steps"] = len(rows)
-    result["solutions"] = len({row["key"] for row in rows})
+        for request in requests:
+            bar = tqdm(solutions, desc=f"calibration ({request.name})", unit="solution", disable=not progress)
+            for number, solution in enumerate(bar):
+                key = f"{solution.problem_id}/{number}"
+                if (request.name, key) in done:
+                    continue
+                judge.start(solution.question)
+                for k, step in enumerate(solution.steps[:max_steps]):
+                    verdict = judge.judge(step if step.endswith("\n\n") else step.rstrip("\n") + "\n\n", request)
+                    good = solution.first_wrong_step is None or k < solution.first_wrong_step
+                    row = {"key": key, "step": k, "good": good, "request": request.name,
+                           **{how: verdict.score(how) for how in request.scores}}
+                    handle.write(json.dumps(row) + "\n")
+                    rows.append(row)
+                handle.flush()
+    wanted = {r.name for r in requests}
+    rows = [row for row in rows if row["request"] in wanted]
+    result: dict = {"requests": {}}
+    for request in requests:
+        mine = [row for row in rows if row["request"] == request.name]
+        grid = None if request.name != "score_0_9" else THRESHOLD_GRID
+        result["requests"][request.name] = {
+            how: calibration([(row[how], row["good"], row["step"]) for row in mine], grid=grid) for how in request.scores}
+    first = [row for row in rows if row["request"] == requests[0].name]
+    result["position_only"] = calibration([(-row["step"], row["good"], row["step"]) for row in first], grid=None)
+    candidates = [(cal["auroc_within_position"], name, how, cal) for name, readings in result["requests"].items()
+                  for how, cal in readings.items() if cal["auroc_within_position"] is not None]
+    if candidates:
+        within, name, how, cal = max(candidates, key=lambda c: c[0])
+        result["best"] = {"request": name, "score": how, "auroc_within_position": within, "auroc": cal["auroc"],
+                          "threshold": (cal["fitted"] or {}).get("threshold")}
+    result["steps"] = len(first)
+    result["solutions"] = len({row["key"] for row in first})
     (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from .backends import Backend, Sampling, TextStop
+from .judging import DEFAULT_REQUEST
 from .config import ReasonConfig
 from .grading import extract_answer, extract_boxed
 from .prompts import ANSWER_CUE
@@ -176,12 +177,14 @@ class SpecReasoner:
         draft = self.drafter.generate(cap, sampling, stop)
         trace.seconds["draft"] += draft.seconds
         trace.draft_passes += draft.passes or 0
-        verdict = self.judge.judge(draft.text)
+        # a backend written for the 0-9 score alone (judge(step)) keeps working with the default request
+        verdict = (self.judge.judge(draft.text) if cfg.judge_request == DEFAULT_REQUEST
+                   else self.judge.judge(draft.text, cfg.judge_request))
         trace.seconds["judge"] += verdict.seconds
         trace.tokens["judge"] += verdict.tokens_read
         score = verdict.score(cfg.score)
         step = Step(index=len(trace.steps), text=draft.text, author="drafter", score=score,
-                    digit_probs=verdict.digit_probs, draft_tokens=draft.tokens, judge_tokens=verdict.tokens_read,
+                    digit_probs=verdict.digit_probs or None, answer_probs=verdict.answer_probs, draft_tokens=draft.tokens, judge_tokens=verdict.tokens_read,
                     draft_passes=draft.passes or 0, seconds={"draft": draft.seconds, "judge": verdict.seconds})
         if score >= cfg.threshold:
             trace.tokens["draft_kept"] += draft.tokens

@@ -214,13 +214,23 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def _calibration_lines(result: dict[str, Any]) -> list[str]:
-    """A `calibration` result (or a dict of them by score type) as Markdown."""
+    """A `calibration` result, a dict of them by score type, or `streamspec.reason.evaluate.calibrate`'s
+    comparison of judge requests, as Markdown."""
+    if "requests" in result:
+        return _request_lines(result)
     named = {"judge": result} if "thresholds" in result else {
         name: value for name, value in result.items() if isinstance(value, dict) and "thresholds" in value}
     lines = ["Judge calibration (good: steps before the first wrong step):", ""]
     for name, cal in named.items():
         lines.append(f"- `{name}`: AUROC {_fmt(cal['auroc'], 3)} over {cal['good']} good and {cal['bad']} bad steps")
-    lines += ["", "| threshold | " + " | ".join(
+    return lines + _grid_lines(named)
+
+
+def _grid_lines(named: dict[str, dict]) -> list[str]:
+    named = {k: v for k, v in named.items() if v.get("thresholds")}
+    if not named:
+        return []
+    lines = ["", "| threshold | " + " | ".join(
         f"{name} good kept | {name} bad rejected" for name in named) + " |", "|" + "---|" * (1 + 2 * len(named))]
     for t in THRESHOLDS:
         cells = []
@@ -229,6 +239,29 @@ def _calibration_lines(result: dict[str, Any]) -> list[str]:
             cells += [_fmt(row.get("good_accepted"), percent=True), _fmt(row.get("bad_rejected"), percent=True)]
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _request_lines(result: dict[str, Any]) -> list[str]:
+    """One row per judge request and reading: AUROC plain and within position, the fitted cut-off."""
+    lines = [f"Judge calibration on {result.get('solutions')} annotated solutions ({result.get('steps')} steps; good: "
+             "before the first wrong step). Within position: pairs of steps at the same index only.", "",
+             "| request | reading | AUROC | AUROC within position | fitted threshold | good kept | bad rejected |",
+             "|---|---|---|---|---|---|---|"]
+    rows = [(req, how, cal) for req, readings in result["requests"].items() for how, cal in readings.items()]
+    if result.get("position_only"):
+        rows.append(("(the step's position alone)", "earlier = better", result["position_only"]))
+    for req, how, cal in rows:
+        fit = cal.get("fitted") or {}
+        lines.append(f"| {req} | {how} | {_fmt(cal.get('auroc'), 3)} | {_fmt(cal.get('auroc_within_position'), 3)} | "
+                     f"{_fmt(fit.get('threshold'), 3)} | {_fmt(fit.get('good_accepted'), percent=True)} | "
+                     f"{_fmt(fit.get('bad_rejected'), percent=True)} |")
+    best = result.get("best")
+    if best:
+        lines += ["", f"Best within position: `{best['request']}` read as `{best['score']}` "
+                      f"(AUROC within position {_fmt(best['auroc_within_position'], 3)}, fitted threshold "
+                      f"{_fmt(best['threshold'], 3)})."]
+    digits = result["requests"].get("score_0_9")
+    return lines + (_grid_lines(digits) if digits else [])
 
 
 def save_report(summary: dict[str, Any], traces: list[ReasonTrace], out_dir: str | Path) -> dict[str, Path]:
@@ -336,27 +369,67 @@ def auroc(positive_scores: Iterable[float], negative_scores: Iterable[float]) ->
     return u / (len(pos) * len(neg))
 
 
-def calibration(scored: list[tuple[float, bool]]) -> dict[str, Any]:
+def auroc_within_position(scored: Iterable[tuple[float, bool, int]]) -> tuple[float | None, int]:
+    """AUROC over pairs of a good and a bad step at the same position (step index) only, and the
+    number of such pairs: what is left of the separation once "earlier steps are more often
+    good" (which position alone scores) is taken out. (None, 0) without such pairs."""
+    by_position: dict[int, tuple[list[float], list[float]]] = {}
+    for score, good, position in scored:
+        by_position.setdefault(int(position), ([], []))[0 if good else 1].append(float(score))
+    wins, pairs = 0.0, 0
+    for good, bad in by_position.values():
+        if good and bad:
+            wins += auroc(good, bad) * len(good) * len(bad)
+            pairs += len(good) * len(bad)
+    return (wins / pairs if pairs else None), pairs
+
+
+def fitted_threshold(good: list[float], bad: list[float]) -> dict[str, Any] | None:
+    """The cut-off (a step is kept when its score >= it) with the best balanced accuracy, the
+    mean of the share of good steps kept and of bad steps rejected; ties go to the lower cut-off
+    (more drafts kept). Chosen among the scores seen. None without both classes."""
+    if not good or not bad:
+        return None
+    best = None
+    for t in sorted(set(good) | set(bad)):
+        kept = sum(s >= t for s in good) / len(good)
+        rejected = sum(s < t for s in bad) / len(bad)
+        if best is None or (kept + rejected) / 2 > best["balanced_accuracy"] + 1e-12:
+            best = {"threshold": t, "good_accepted": kept, "bad_rejected": rejected,
+                    "balanced_accuracy": (kept + rejected) / 2}
+    return best
+
+
+def calibration(scored: list[tuple], grid: Iterable[float] | None = THRESHOLDS) -> dict[str, Any]:
     """How well judge scores separate good steps (True: before the first wrong step) from bad.
 
-    Returns ``n``, ``good``, ``bad``, ``auroc`` (None when a class is empty) and ``thresholds``:
-    for each threshold 0..9, the share of good steps accepted (score >= threshold) and of bad
+    `scored` holds (score, good) or (score, good, position) tuples. Returns ``n``, ``good``,
+    ``bad``, ``auroc`` (None when a class is empty), ``auroc_within_position`` and
+    ``position_pairs`` (with positions; see `auroc_within_position`), ``fitted``
+    (`fitted_threshold`) and ``thresholds``: for each threshold of `grid` (default 0..9, the
+    0-9 score's; None: none), the share of good steps accepted (score >= threshold) and of bad
     steps rejected. Entries whose score is None are left out.
     """
-    pairs = [(float(s), bool(good)) for s, good in scored if s is not None]
-    good = [s for s, g in pairs if g]
-    bad = [s for s, g in pairs if not g]
+    rows = [(float(r[0]), bool(r[1]), r[2] if len(r) > 2 else None) for r in scored if r[0] is not None]
+    good = [s for s, g, _ in rows if g]
+    bad = [s for s, g, _ in rows if not g]
+    within, pairs = (None, 0)
+    if rows and all(k is not None for _, _, k in rows):
+        within, pairs = auroc_within_position(rows)
     return {
-        "n": len(pairs),
+        "n": len(rows),
         "good": len(good),
         "bad": len(bad),
         "auroc": auroc(good, bad) if good and bad else None,
+        "auroc_within_position": within,
+        "position_pairs": pairs,
+        "fitted": fitted_threshold(good, bad),
         "thresholds": [
             {
                 "threshold": t,
                 "good_accepted": sum(s >= t for s in good) / len(good) if good else None,
                 "bad_rejected": sum(s < t for s in bad) / len(bad) if bad else None,
             }
-            for t in THRESHOLDS
+            for t in (grid or ())
         ],
     }

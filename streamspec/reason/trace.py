@@ -25,7 +25,9 @@ class Step:
         author: ``"drafter"`` (drafted and kept) or ``"base"`` (written by the base: a rewrite
             after a low score, or one of the ``first_base_steps``).
         score: the judge's score of the drafted step (None when nothing was judged).
-        digit_probs: the judge's probability of each digit 0..9 (as read, not renormalised).
+        digit_probs: the judge's probability of each digit 0..9 (as read, not renormalised;
+            the score_0_9 request only).
+        answer_probs: the judge's probability of each answer of its request (digits, Yes/No).
         drafted_text: the drafter's candidate when it was rejected (None otherwise).
         draft_tokens: tokens the drafter generated for this step (kept or rejected).
         base_tokens: tokens the base generated for this step (a rewrite).
@@ -39,6 +41,7 @@ class Step:
     author: str
     score: float | None = None
     digit_probs: list[float] | None = None
+    answer_probs: dict[str, float] | None = None
     drafted_text: str | None = None
     draft_tokens: int = 0
     base_tokens: int = 0

@@ -1,0 +1,181 @@
+"""Judge requests as a setting (`streamspec.reason.judging`): each request's readings and threshold
+units, the answer tokens found in a real tokenizer, a yes/no judgement in process equal to a fresh
+forward's probabilities, both logprob shapes servers answer with, the calibration that compares
+requests plainly and within position (with the position-only baseline and a fitted threshold),
+and llama.cpp as a backend: a SpecReason run whose base and judge are the default model's GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from streamspec.reason.backends import Judgement, LocalBackend, chat_frame, top_logprobs
+from streamspec.reason.config import ReasonConfig, load_reason_config
+from streamspec.reason.evaluate import calibrate
+from streamspec.reason.judging import JUDGE_REQUESTS, answer_token_ids, judge_request
+from streamspec.reason.report import auroc_within_position, calibration, fitted_threshold, markdown, summarize
+from streamspec.reason.tasks import AnnotatedSolution
+
+PROBLEM = "Tom has 3 apples and buys 5 more. How many apples does he have?"
+
+
+def test_each_request_reads_its_answers_in_its_own_units():
+    digits = judge_request("score_0_9")
+    probs = {str(d): 0.0 for d in range(10)} | {"9": 0.6, "3": 0.2}
+    assert digits.score(probs, "9", "argmax") == 9.0 and digits.score(probs, None, "argmax") == 0.0
+    assert digits.score(probs, "9", "expected") == pytest.approx((9 * 0.6 + 3 * 0.2) / 0.8)
+    error = judge_request("error_yes_no")
+    assert error.score({"Yes": 0.2, "No": 0.6}, "No", "p_no_error") == pytest.approx(0.75)
+    assert error.score({"Yes": 0.2, "No": 0.6}, "No", "log_odds") == pytest.approx(torch.tensor(3.0).log().item())
+    correct = judge_request("correct_yes_no")
+    assert correct.score({"Yes": 0.2, "No": 0.6}, "No", "p_correct") == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="reads"):
+        error.score({}, None, "argmax")
+    with pytest.raises(ValueError, match="unknown judge request"):
+        judge_request("vibes")
+    judgement = Judgement.of_answers(error, {"Yes": 0.1, "No": 0.3}, "No", 5, 0.0)
+    assert judgement.score("p_no_error") == pytest.approx(0.75) and judgement.digit_probs == []
+    old = Judgement([0.0] * 9 + [1.0], 9, 3, 0.0)  # the 0-9 score as backends made it before
+    assert old.score("argmax") == 9.0 and old.answer_probs["9"] == 1.0
+
+
+def test_the_setting_defaults_to_the_requests_units_and_refuses_mismatches(tmp_path):
+    assert (ReasonConfig().threshold, ReasonConfig().score) == (7.0, "argmax")
+    yes_no = ReasonConfig(judge_request="error_yes_no")
+    assert (yes_no.threshold, yes_no.score) == (0.5, "p_no_error")
+    assert ReasonConfig(judge_request="error_yes_no", score="log_odds", threshold=-2.0).threshold == -2.0
+    with pytest.raises(ValueError, match=r"\[0, 1\], got 7"):
+        ReasonConfig(judge_request="error_yes_no", threshold=7)
+    with pytest.raises(ValueError, match="one of \\['argmax', 'expected'\\]"):
+        ReasonConfig(score="p_no_error")
+    with pytest.raises(ValueError, match="judge_request must be one of"):
+        ReasonConfig(judge_request="vibes")
+    config = tmp_path / "reason.yaml"
+    config.write_text("judge:\n  request: error_yes_no\n")
+    setup = load_reason_config(config, ["reason.threshold=0.8"])
+    assert setup.reason.judge_request == "error_yes_no" and setup.reason.threshold == 0.8 and setup.judge is None
+
+
+def test_answer_tokens_of_a_real_tokenizer():
+    from streamspec.assets import DEFAULT_MODEL_ID, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_ID)
+    for name, request in JUDGE_REQUESTS.items():
+        found = answer_token_ids(tokenizer, request)
+        assert set(found) == set(request.answers) and all(found.values()), name
+        for answer, ids in found.items():
+            assert all(tokenizer.decode([i]).strip().lower() == answer.lower() for i in ids)
+        frame = chat_frame(tokenizer, request)
+        assert request.text in frame.judge_suffix and frame.judge_suffix.endswith(request.reply_opening)
+
+
+def test_a_yes_no_judgement_in_process_equals_a_fresh_forward(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    backend = LocalBackend(base, tokenizer, name="judge")
+    backend.start(PROBLEM)
+    backend.judge("First, 3 + 5.\n\n")  # the 0-9 request, kept: the yes/no one follows it
+    request = judge_request("error_yes_no")
+    verdict = backend.judge("So he has 8.\n\n", "error_yes_no")
+    suffix = tokenizer.encode(chat_frame(tokenizer, request).judge_suffix, add_special_tokens=False)
+    with torch.no_grad():
+        probs = base(torch.tensor([backend.session.ids + suffix])).logits[0, -1].softmax(-1)
+    for answer, ids in answer_token_ids(tokenizer, request).items():
+        assert verdict.answer_probs[answer] == pytest.approx(float(probs[list(ids)].sum()), abs=1e-5)
+    assert verdict.request == "error_yes_no" and 0 <= verdict.score("p_no_error") <= 1
+    assert tokenizer.decode(backend.session.ids).endswith("So he has 8.\n\n")  # the request was dropped
+
+
+def test_both_logprob_shapes_are_read():
+    legacy = {"text": " Yes", "logprobs": {"top_logprobs": [{" Yes": -0.1, "No": -2.5}]}}
+    chat = {"text": "Yes", "logprobs": {"content": [{"token": "Yes", "logprob": -0.1,
+                                                     "top_logprobs": [{"token": "Yes", "logprob": -0.1},
+                                                                      {"token": " No", "logprob": -2.5}]}]}}
+    assert sorted(top_logprobs(legacy)) == sorted([(" Yes", -0.1), ("No", -2.5)])
+    assert top_logprobs(chat) == [("Yes", -0.1), (" No", -2.5)]
+    assert top_logprobs({"text": "x"}) == []
+
+
+def test_within_position_auroc_and_the_fitted_threshold():
+    # position alone: every good step comes early; within a position the score separates perfectly
+    scored = [(0.9, True, 0), (0.2, False, 0), (0.8, True, 1), (0.3, False, 1), (0.1, False, 2)]
+    within, pairs = auroc_within_position(scored)
+    assert (within, pairs) == (1.0, 2)
+    assert auroc_within_position([(0.5, True, 0), (0.5, False, 1)]) == (None, 0)
+    fit = fitted_threshold([0.9, 0.8], [0.2, 0.3, 0.1])
+    assert fit["threshold"] == 0.8 and fit["good_accepted"] == 1.0 and fit["bad_rejected"] == 1.0
+    result = calibration(scored, grid=None)
+    assert result["auroc_within_position"] == 1.0 and result["thresholds"] == [] and result["fitted"]["threshold"] == 0.8
+
+
+class _Judge:
+    """A judge whose yes/no answer knows which steps are wrong and whose 0-9 score knows only the
+    position (the confound the within-position figure removes)."""
+
+    def start(self, problem):
+        self.k = 0
+
+    def judge(self, step, request=None):
+        request = judge_request(request or "score_0_9")
+        k, self.k = self.k, self.k + 1
+        if request.name == "score_0_9":
+            return Judgement.of_answers(request, {str(d): float(d == 9 - k) for d in range(10)}, str(9 - k), 1, 0.0)
+        wrong = "wrong" in step
+        no, yes = (0.2, 0.8) if wrong else (0.8, 0.2)
+        good, bad = ("No", "Yes") if request.name == "error_yes_no" else ("Yes", "No")
+        return Judgement.of_answers(request, {good: no, bad: yes}, good if not wrong else bad, 1, 0.0)
+
+
+def test_calibration_compares_requests_within_position_and_resumes(tmp_path):
+    solutions = [AnnotatedSolution(problem_id=f"p{i}", question="q", steps=steps, first_wrong_step=wrong)
+                 for i, (steps, wrong) in enumerate([
+                     (["a", "b wrong", "c wrong"], 1), (["a", "b", "c wrong"], 2), (["a", "b", "c"], None),
+                     (["a wrong", "b wrong"], 0)])]
+    result = calibrate(_Judge(), solutions, tmp_path, progress=False, requests=["score_0_9", "error_yes_no"])
+    digits, errors = result["requests"]["score_0_9"]["argmax"], result["requests"]["error_yes_no"]["p_no_error"]
+    assert digits["auroc"] > 0.5 and digits["auroc_within_position"] == 0.5  # position only
+    assert errors["auroc_within_position"] == 1.0 and errors["fitted"]["threshold"] == 0.8
+    assert result["position_only"]["auroc"] == digits["auroc"] and result["position_only"]["auroc_within_position"] == 0.5
+    assert result["best"]["request"] == "error_yes_no" and result["steps"] == 11 and result["solutions"] == 4
+    lines = (tmp_path / "calibration.jsonl").read_text().splitlines()
+    assert len(lines) == 22 and {json.loads(line)["request"] for line in lines} == {"score_0_9", "error_yes_no"}
+    again = calibrate(None, solutions, tmp_path, progress=False, requests=["score_0_9", "error_yes_no"])  # all done
+    assert again["best"] == result["best"]
+    summary = summarize([])
+    summary["calibration"] = result
+    table = markdown(summary)
+    assert f"| error_yes_no | p_no_error | {errors['auroc']:.3f} | 1.000 | 0.800 | 100.0% | 100.0% |" in table
+    assert "Best within position: `error_yes_no`" in table and "(the step's position alone)" in table
+
+
+@pytest.mark.slow
+def test_specreason_on_llama_cpp_base_and_judge(single_thread, tmp_path):
+    pytest.importorskip("xllamacpp")
+    from streamspec.reason.backends import LlamaCppBackend
+    from streamspec.reason.config import BackendConfig
+    from streamspec.reason.backends import backend_from_config
+    from streamspec.reason.reasoner import SpecReasoner
+
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        BackendConfig(source="llama.cpp:")
+    base = backend_from_config(BackendConfig(source="llama.cpp:streamspec:SmolLM2-135M-Instruct"), "base")
+    drafter = LlamaCppBackend("streamspec:SmolLM2-135M-Instruct", threads=1, name="drafter")
+    try:
+        assert isinstance(base, LlamaCppBackend) and base.url.startswith("http://127.0.0.1:")
+        config = ReasonConfig(token_budget=80, step_max_tokens=16, answer_max_tokens=6, temperature=0.0,
+                              judge_request="error_yes_no", threshold=0.0)
+        trace = SpecReasoner(drafter, base, config).solve("What is 2 + 3?")
+        assert trace.stop_reason != "error" and trace.drafted_steps
+        assert all(s.author == "drafter" for s in trace.drafted_steps)  # threshold 0: every draft kept
+        for step in trace.drafted_steps:
+            assert set(step.answer_probs) == {"Yes", "No"} and 0 < sum(step.answer_probs.values()) <= 1 + 1e-6
+        base.start("What is 2 + 3?")
+        digits = base.judge("2 + 3 = 5.\n\n")
+        assert 0 < sum(digits.digit_probs) <= 1 + 1e-6 and len(digits.digit_probs) == 10
+    finally:
+        base.close()
+        drafter.close()
