@@ -357,7 +357,15 @@ def _peer_summary(summary, results, methods, peers, rows, tokenizer, model, base
             same = sum(a == b for a, b in zip(results[name].token_ids, base_ids))
             summary[name]["identical_outputs_share"] = round(same / max(len(base_ids), 1), 3)
     if "transformers_compiled" in summary:
-        summary["transformers_compiled"]["compile_seconds"] = methods["transformers_compiled"].compile_seconds
+        entry, run, base = summary["transformers_compiled"], results["transformers_compiled"], results["baseline"]
+        entry["compile_seconds"] = methods["transformers_compiled"].compile_seconds
+        steps = run.passes - run.prompts
+        if base.split.get("prefill") and steps > 0:
+            # its prefill runs eager (transformers compiles the decoding step only), as the
+            # baseline's on the same prompts: the rest of its time is its decoding steps
+            entry["ms_per_step_forward"] = round(1000 * max(run.seconds - base.split["prefill"], 0.0) / steps, 2)
+            entry["ms_prefill"] = round(1000 * base.split["prefill"] / run.prompts, 1)
+            entry["prefill_from"] = "baseline"
     if not getattr(gguf_of, "floor", False) or not rows:
         return
     bandwidth = measure_read_bandwidth()

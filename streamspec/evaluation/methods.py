@@ -57,17 +57,25 @@ class MethodResult:
 
 
 class CallCounter:
-    """Counts forward calls of a module (how many passes transformers `generate` made)."""
+    """Counts forward calls of a module (how many passes transformers `generate` made) and times
+    each (`durations`, seconds per call in order: the first call of a generation is its prefill)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.calls = 0
-        self._handle = module.register_forward_pre_hook(self._count)
+        self.durations: list[float] = []
+        self._start = 0.0
+        self._handles = [module.register_forward_pre_hook(self._count), module.register_forward_hook(self._done)]
 
     def _count(self, *args) -> None:
         self.calls += 1
+        self._start = time.perf_counter()
+
+    def _done(self, *args) -> None:
+        self.durations.append(time.perf_counter() - self._start)
 
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
@@ -78,14 +86,20 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
         ids = ids.to(device)
-        before = counter.calls
+        before, timed = counter.calls, len(counter.durations)
+        start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                 eos_token_id=eos_token_id, pad_token_id=eos_token_id, **generate_kwargs,
             )
+        total = time.perf_counter() - start
         new = out[0, ids.shape[1]:].tolist()
-        return new, counter.calls - before, [], {}
+        calls = counter.durations[timed:]
+        # the model's own calls (the first is the prefill; the LM head is inside them) and the rest
+        split = {"prefill": calls[0], "forward": sum(calls[1:]), "head": 0.0,
+                 "overhead": max(total - sum(calls), 0.0)} if calls else {}
+        return new, counter.calls - before, [], split
 
     run.__name__ = name
     return run
