@@ -518,11 +518,19 @@ def role_gguf(name: str):
 
 
 def _gguf_tokenizer(name: str, path):
-    """The tokenizer of a ``llama.cpp:`` role: a built-in model's, else the GGUF's own."""
-    from ..assets import BUILTIN_PREFIX, load_tokenizer
+    """The tokenizer of a ``llama.cpp:`` role: the default model's, a reasoning model's converted
+    folder when it exists, else the GGUF's own (read by transformers; no model conversion)."""
+    from ..assets import BUILTIN_PREFIX, DEFAULT_MODEL_ID, load_tokenizer
 
-    if name.startswith(BUILTIN_PREFIX) or name == "default":
-        return load_tokenizer(name if name != "default" else BUILTIN_PREFIX + "SmolLM2-135M-Instruct")
+    if name in (DEFAULT_MODEL_ID, "default"):
+        return load_tokenizer(DEFAULT_MODEL_ID)
+    if name.startswith(BUILTIN_PREFIX):
+        from ..assets import cache_dir
+        from .assets import reason_model
+
+        folder = cache_dir() / reason_model(name).title
+        if (folder / "tokenizer_config.json").is_file():
+            return load_tokenizer(str(folder))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -161,7 +161,10 @@ def run_reason_eval(args, out=None) -> int:
     if (args.task is None) == (args.data is None):
         raise ValueError("streamspec reason-eval needs exactly one of --task or --data")
     setup = setup_from_args(args)
-    if setup.base is None and setup.drafter is None:
+    if getattr(args, "calibrate_only", False):
+        if setup.base is None and setup.judge is None:
+            raise ValueError("streamspec reason-eval --calibrate-only needs --judge (or --base, which judges by default)")
+    elif setup.base is None and setup.drafter is None:
         raise ValueError("streamspec reason-eval needs --base and/or --drafter")
     calibrate_only = getattr(args, "calibrate_only", False)
     problems = [] if calibrate_only else load_problems(task=args.task, data=args.data, limit=args.limit,
