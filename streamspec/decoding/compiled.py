@@ -29,14 +29,18 @@ def _speculate_compiled(model, cache, past, root, candidates, generated, ended, 
     step = _compiled_pass(backend)
     key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
     capacity = cache.capacity
+    # the graph's identity for the compile notice (host values only: no read from the device per pass)
+    graph = _graph_key(model, ("tree", tree.size, tree.depth_limit, width), capacity, sampler, backend)
+    what = f"a {tree.size}-node tree, cache of {capacity}"
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         while len(generated) < max_new_tokens and not ended:
             start = clock()
             if past + tree.size > capacity:  # pragma: no cover - the capacity was reserved for this
                 raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
             past_t = torch.tensor(past, dtype=torch.long, device=device)
-            path, accepted, root, candidates = step(model, *cache.buffers, past_t, root, candidates, tree,
-                                                    sampler, key, width)
+            with _CompileNotice(graph, what):
+                path, accepted, root, candidates = step(model, *cache.buffers, past_t, root, candidates, tree,
+                                                        sampler, key, width)
             forward_done = clock()
             summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
             new = summary[1 : summary[0] + 2]
@@ -127,7 +131,11 @@ def _autoregressive_compiled(model, input_ids, max_new_tokens, stop: set[int], s
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         while len(generated) < max_new_tokens and generated[-1] not in stop:
             start = clock()
-            token = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), token, sampler, key)
+            capacity = cache.capacity
+            with _CompileNotice(_graph_key(model, "token", capacity, sampler, backend),
+                                f"one token per pass, cache of {capacity}"):
+                token = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), token,
+                             sampler, key)
             forward_done = clock()
             generated.append(read_to_host(token)[0])
             past += 1
@@ -135,6 +143,43 @@ def _autoregressive_compiled(model, input_ids, max_new_tokens, stop: set[int], s
             record_pass(out, generated[-1:], (1, 1), start, forward_done, forward_done, clock())
     out.tokens = torch.tensor([generated], dtype=input_ids.dtype, device=device)
     return out
+
+
+_SEEN: set = set()  # the compiled graphs this process has called (one per model, shape, sampler, capacity)
+
+
+class _CompileNotice:
+    """Says on stderr when a pass is the first of its graph in this process (it compiles, or
+    inductor's on-disk cache serves it) and how long that first call took: compile time is never
+    paid silently."""
+
+    def __init__(self, key, what: str) -> None:
+        self.first = key not in _SEEN
+        self.what, self.key = what, key
+
+    def __enter__(self):
+        if self.first:
+            import sys
+            import time
+
+            self._start = time.perf_counter()
+            print(f"streamspec: compiling the decode step ({self.what}; once per shape, then cached)",
+                  file=sys.stderr, flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.first and exc[0] is None:
+            import sys
+            import time
+
+            _SEEN.add(self.key)
+            print(f"streamspec: decode step ready in {time.perf_counter() - self._start:.1f} s ({self.what})",
+                  file=sys.stderr, flush=True)
+
+
+def _graph_key(model, what, capacity, sampler, backend):
+    return (id(model), what, capacity, sampler.greedy, getattr(sampler, "temperature", None),
+            getattr(sampler, "top_p", None), getattr(sampler, "top_k", None), backend)
 
 
 _CAPACITY_STEP = 256  # compiled passes attend over buffers of a multiple of this many entries

@@ -86,19 +86,24 @@ def test_seeded_sampling_compiled_equals_uncompiled(models):
 
 
 @pytest.mark.parametrize("arch, backend", [("llama", "inductor"), ("gpt2", "aot_eager")])
-def test_one_token_per_pass_compiled_equals_uncompiled(models, arch, backend):
+def test_one_token_per_pass_compiled_equals_uncompiled(models, arch, backend, capfd):
     """speculative=False with compile: every pass after the prefill one compiled call, the same
-    tokens as the uncompiled loop, one graph for the whole generation and for a new prompt length."""
+    tokens as the uncompiled loop, one graph for the whole generation and for a new prompt length;
+    the first call of the graph is announced on stderr, later ones are not."""
     model = models[arch]
     compile = True if backend == "inductor" else backend
     ids = random_ids(1, 9, seed=3)
     before = _graphs()
+    capfd.readouterr()
     out = generate(model, ids, 20, speculative=False, compile=compile)
+    err = capfd.readouterr().err
+    assert "compiling the decode step (one token per pass, cache of 256" in err and "decode step ready in" in err
     assert out.tokens.tolist() == generate_autoregressive(model, ids, 20).tolist()
     assert out.forward_passes == 20 and out.accepted_per_pass == [1] * 20
     other = random_ids(1, 14, seed=4)
     assert generate(model, other, 20, speculative=False, compile=compile).tokens.tolist() == \
         generate_autoregressive(model, other, 20).tolist()
+    assert "compiling" not in capfd.readouterr().err  # the same graph: nothing to announce
     assert _graphs() - before <= 1, "a new prompt length or the growing cache compiled again"
     sampler = dict(temperature=0.9, top_k=20, seed=7)
     sampled = generate(model, ids, 16, speculative=False, compile=compile, **sampler)

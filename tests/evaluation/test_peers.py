@@ -78,7 +78,10 @@ def test_read_bandwidth_is_measured_and_small_buffers_refused():
 
 @pytest.mark.slow
 def test_transformers_compiled_decodes_what_eager_generate_does(single_thread):
+    from streamspec.evaluation.methods import CallCounter
+
     model = make_model("llama")
+    counter = CallCounter(model)  # the benchmark's hooks on the same model: the compiled graph must not trace them
     run = transformers_compiled_method(model, eos_token_id=None)
     graphs = counters["stats"]["unique_graphs"]
     for length in (7, 12):  # one cache bucket: compiled once for both prompts
@@ -86,6 +89,12 @@ def test_transformers_compiled_decodes_what_eager_generate_does(single_thread):
         new, passes, _, _ = run(ids, 10)
         assert new == hf_greedy(model, ids, 10)[0].tolist() and passes == 10
     assert list(run.compile_seconds) == [256]
+    before = counter.calls
+    run(random_ids(1, 5, seed=2), 4)
+    assert counter.calls == before  # cleared for the compiled generation
+    with torch.no_grad():
+        model(random_ids(1, 3, seed=0))
+    assert counter.calls == before + 1 and len(counter.durations) == before + 1  # and back for the eager rows
     assert counters["stats"]["unique_graphs"] - graphs <= 2  # the decoding step (and transformers' own helpers)
 
 
