@@ -57,6 +57,10 @@ def add_reason_commands(sub) -> None:
     ev.add_argument("--methods", nargs="+", default=None,
                     help="a subset: base_only drafter_only specreason@T specreason_plain@T (default: all)")
     ev.add_argument("--no-plain", action="store_true", help="skip SpecReason with the drafter without streams")
+    ev.add_argument("--plain-drafter", default=None, metavar="SOURCE",
+                    help="the plain-drafter peer on its own engine (e.g. llama.cpp:streamspec:SmolLM2-135M-Instruct, the "
+                         "same model as the streamed drafter without streams); default: the streamed drafter in "
+                         "process with its streams off")
     ev.add_argument("--calibrate", action="store_true",
                     help="also score CHAMP's annotated solutions with the judge (AUROC of good vs wrong steps)")
     ev.add_argument("--calibrate-only", action="store_true",
@@ -101,14 +105,16 @@ def setup_from_args(args) -> ReasonSetup:
     return setup
 
 
-def _backends(setup: ReasonSetup, need_plain: bool = False):
+def _backends(setup: ReasonSetup, need_plain: bool = False, plain_source: str | None = None):
     from .backends import LocalBackend, backend_from_config
 
     base = backend_from_config(setup.base, "base") if setup.base else None
     drafter = backend_from_config(setup.drafter, "drafter") if setup.drafter else None
     judge = backend_from_config(setup.judge, "judge") if setup.judge else None
     plain = None
-    if need_plain and isinstance(drafter, LocalBackend) and drafter.streamed:
+    if need_plain and plain_source:  # the plain-drafter peer on its own engine (e.g. llama.cpp:GGUF)
+        plain = backend_from_config(BackendConfig(source=plain_source, streams=False), "drafter (no streams)")
+    elif need_plain and isinstance(drafter, LocalBackend) and drafter.streamed:
         plain = LocalBackend(drafter.session.model, drafter.tokenizer, streams=False, name="drafter (no streams)")
     return base, drafter, judge, plain
 
@@ -169,7 +175,8 @@ def run_reason_eval(args, out=None) -> int:
     calibrate_only = getattr(args, "calibrate_only", False)
     problems = [] if calibrate_only else load_problems(task=args.task, data=args.data, limit=args.limit,
                                                        offset=args.offset)
-    base, drafter, judge, plain = _backends(setup, need_plain=not args.no_plain and not calibrate_only)
+    base, drafter, judge, plain = _backends(setup, need_plain=not args.no_plain and not calibrate_only,
+                                            plain_source=args.plain_drafter)
     traces = [] if calibrate_only else evaluate(problems, setup.reason, args.out, base=base, drafter=drafter,
                                                 plain_drafter=plain, thresholds=args.thresholds, methods=args.methods)
     wanted = {(p.id) for p in problems}

@@ -179,3 +179,11 @@ def test_specreason_on_llama_cpp_base_and_judge(single_thread, tmp_path):
     finally:
         base.close()
         drafter.close()
+    from streamspec.reason.cli import _backends
+    from streamspec.reason.config import ReasonSetup
+
+    *_, plain = _backends(ReasonSetup(), need_plain=True, plain_source="llama.cpp:streamspec:SmolLM2-135M-Instruct")
+    try:  # reason-eval --plain-drafter: the plain-drafter peer on llama.cpp
+        assert isinstance(plain, LlamaCppBackend) and plain.name == "drafter (no streams)"
+    finally:
+        plain.close()

@@ -1,0 +1,95 @@
+"""One decoding step of streamspec, eager against compiled, float32 against bfloat16, side by side in
+one process on the same held-out prompts (batch 1, greedy): ms per decoding step (the prefill
+left out) of one token per pass and of a draft tree, tokens per pass, and bf16's greedy agreement
+with float32 (share of identical outputs, and the first position where they part).
+
+What `--compile auto` and `--dtype auto` are decided on (docs/benchmarks.md, "The step at the
+machine's limit"). Each configuration decodes a few tokens of the first prompt untimed first, so
+compile time is paid (and reported) before the timed prompts.
+
+    OMP_NUM_THREADS=1 python eval/step_speed.py --checkpoint streamspec:smollm2-135m-sql-streams --limit 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+
+import torch
+
+from streamspec.data.build import prompt_ids
+from streamspec.data.tasks import task_rows
+from streamspec.decoding import DecodeConfig, generate
+from streamspec.loading import load_for_inference
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default="streamspec:smollm2-135m-sql-streams")
+    parser.add_argument("--task", default="sql")
+    parser.add_argument("--limit", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tree-top-k", default="2,1,1")
+    parser.add_argument("--out", default=None, help="a JSON file for the figures")
+    args = parser.parse_args()
+    tree = tuple(int(x) for x in args.tree_top_k.split(","))
+    models = {dtype: load_for_inference(args.checkpoint, dtype=dtype, cpu_kernels=False) for dtype in ("float32", "bfloat16")}
+    # what streamspec runs by default on a CPU in float32: the packed oneDNN kernels (eager only)
+    models["float32 packed"] = load_for_inference(args.checkpoint, dtype="float32")
+    tokenizer = models["float32"].tokenizer
+    eos = tokenizer.eos_token_id
+    rows = task_rows(args.task, "test")[: args.limit]
+    configs = {}
+    for dtype in models:
+        for compiled in ((False,) if dtype == "float32 packed" else (False, True)):
+            configs[f"{dtype} one token{' compiled' if compiled else ''}"] = (dtype, False, DecodeConfig(compile=compiled))
+            configs[f"{dtype} tree {args.tree_top_k}{' compiled' if compiled else ''}"] = (
+                dtype, True, DecodeConfig(tree_top_k=tree, compile=compiled))
+    first = prompt_ids(tokenizer, rows[0])
+    warm = {}
+    for name, (dtype, speculative, config) in configs.items():
+        start = time.perf_counter()
+        generate(models[dtype].model, first, 4, eos_token_id=eos, speculative=speculative, config=config)
+        warm[name] = round(time.perf_counter() - start, 1)
+    steps = {name: [0.0, 0, 0] for name in configs}  # seconds of decoding steps, steps, tokens
+    outputs = {name: [] for name in configs}
+    for row in rows:
+        ids = prompt_ids(tokenizer, row)
+        for name, (dtype, speculative, config) in configs.items():
+            out = generate(models[dtype].model, ids, args.max_new_tokens, eos_token_id=eos, speculative=speculative,
+                           config=config)
+            steps[name][0] += sum(out.seconds_per_pass[1:])
+            steps[name][1] += out.forward_passes - 1
+            steps[name][2] += out.tokens.shape[1]
+            outputs[name].append(out.tokens[0].tolist())
+    reference = outputs["float32 one token"]
+    result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "prompts": len(rows), "rows": {}}
+    print(f"{result['cpu']}, {result['threads']} thread(s), {len(rows)} prompts, {args.max_new_tokens} new tokens")
+    print("| configuration | ms per decoding step | tokens per pass | tokens/s (steps) | identical to fp32 one token | first call s |")
+    print("|---|---|---|---|---|---|")
+    for name, (seconds, n, tokens) in steps.items():
+        same = sum(a == b for a, b in zip(outputs[name], reference))
+        entry = {"ms_per_step": round(1000 * seconds / max(n, 1), 2), "tokens_per_pass": round(tokens / max(n + len(rows), 1), 3),
+                 "identical_to_fp32": f"{same}/{len(rows)}", "first_call_seconds": warm[name]}
+        result["rows"][name] = entry
+        print(f"| {name} | {entry['ms_per_step']} | {entry['tokens_per_pass']} | "
+              f"{round(1000 * entry['tokens_per_pass'] / max(entry['ms_per_step'], 1e-9), 1)} | {entry['identical_to_fp32']} | "
+              f"{warm[name]} |")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
