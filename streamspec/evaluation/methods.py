@@ -140,14 +140,15 @@ def streaming_method(model, eos_token_id, config: DecodeConfig | None = None, sp
 def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_new_tokens: int,
                 on_prompt: Callable[[dict[str, MethodResult], int], None] | None = None) -> dict[str, MethodResult]:
     """Every method on every prompt, methods interleaved per prompt so machine noise hits all alike.
-    Each method first decodes a few tokens of the first prompt, untimed, so that no method pays
-    for first-call costs (allocations, kernel set-up) that another does not. `on_prompt` is
+    Each method first decodes, untimed, the first prompt and the first of each further cache size
+    the run needs (`_warm_up_prompts`), so that no method pays for first-call costs
+    (allocations, kernel set-up, a compiled row's compilation per cache size) that another does
+    not. `on_prompt` is
     called with the results so far after each prompt (a long run saves them as it goes)."""
     results = {name: MethodResult(name) for name in methods}
-    if rows:
-        ids = prompt_ids(tokenizer, rows[0])
+    for ids in _warm_up_prompts(tokenizer, rows, max_new_tokens):
         for method in methods.values():
-            method(ids, 4)
+            method(ids, max_new_tokens)
     for row in tqdm(rows, desc="benchmark", unit="prompt"):
         ids = prompt_ids(tokenizer, row)
         for name, method in methods.items():
@@ -166,6 +167,25 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
         if on_prompt is not None:
             on_prompt(results, results[next(iter(results))].prompts)
     return results
+
+
+WARM_UP_BUCKET = 256  # compiled passes size their cache in multiples of this (streamspec.decoding.compiled)
+_TREE_ROOM = 32  # cache entries a compiled tree pass reserves beyond the text (nodes × (1 + streams))
+
+
+def _warm_up_prompts(tokenizer, rows: list[dict], max_new_tokens: int) -> list[torch.Tensor]:
+    """The untimed warm-up's prompts: the first, then the first of each further cache size the run
+    will need (prompt, new tokens and a tree's rows, in multiples of `WARM_UP_BUCKET`): a
+    compiled pass compiles once per cache size, and this way every size is met before the timed
+    prompts (a tree far larger than `_TREE_ROOM` rows may still meet a new one, announced on stderr)."""
+    chosen, seen = [], set()
+    for row in rows:
+        ids = prompt_ids(tokenizer, row)
+        bucket = -(-(ids.shape[1] + max_new_tokens + _TREE_ROOM) // WARM_UP_BUCKET)
+        if bucket not in seen:
+            seen.add(bucket)
+            chosen.append(ids)
+    return chosen
 
 
 def with_default_kernels(method: Callable, model) -> Callable:
