@@ -12,6 +12,8 @@ from .decoding.config import add_decode_arguments, decode_config_from_args, look
 # The decode options `streamspec eval` applies to every row; its tree, lookup, budget and pruning
 # flags name each row's own settings (or auto: chosen on validation prompts).
 EVAL_DECODE_FLAGS = ("verify", "compile")
+# Every command that decodes compiles where it pays (`streamspec.decoding.config.compile_pays`).
+CLI_DECODE_DEFAULTS = {"compile": "auto"}
 
 
 def tree_or_auto_arg(text: str) -> int | tuple[int, ...] | str:
@@ -143,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-speculative", action="store_true", help="one token per pass (the reference)")
-    add_decode_arguments(gen)
+    add_decode_arguments(gen, defaults=CLI_DECODE_DEFAULTS)
     gen.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     gen.add_argument("--default-kernels", action="store_true",
                      help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
@@ -183,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     # every row of ours verifies and compiles alike; the tree, lookup, budget and pruning above are
     # the rows' own (with auto: chosen on validation prompts)
-    add_decode_arguments(ev, only=EVAL_DECODE_FLAGS)
+    add_decode_arguments(ev, defaults=CLI_DECODE_DEFAULTS, only=EVAL_DECODE_FLAGS)
     ev.add_argument("--out", default="runs/benchmark", help="folder for JSON, Markdown and PNG plots")
     ev.add_argument("--default-kernels", action="store_true",
                     help="run every method with torch's default CPU linear kernels (default: packed oneDNN kernels "
@@ -197,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; no authentication)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --checkpoint)")
-    add_decode_arguments(srv)
+    add_decode_arguments(srv, defaults=CLI_DECODE_DEFAULTS)
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="the most tokens (prompt + completion) a request may use (default: the model's context)")
     srv.add_argument("--default-kernels", action="store_true", help="torch's default CPU linear kernels")

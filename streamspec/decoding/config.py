@@ -48,15 +48,30 @@ def lookup_arg(text: str) -> PromptLookup:
 
 
 def compile_arg(text: str) -> bool | str:
-    """``on``/``off`` (also true/false, 1/0) or a torch.compile backend name for --compile."""
+    """``on``/``off`` (also true/false, 1/0), ``auto`` (`compile_pays`) or a torch.compile backend
+    name for --compile."""
     lowered = text.lower()
+    if lowered == "auto":
+        return "auto"
     if lowered in ("on", "true", "1", "yes"):
         return True
     if lowered in ("off", "false", "0", "no"):
         return False
     if lowered in COMPILE_BACKENDS:
         return lowered
-    raise argparse.ArgumentTypeError(f"expected on, off or a backend {list(COMPILE_BACKENDS)}; got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected on, off, auto or a backend {list(COMPILE_BACKENDS)}; got {text!r}")
+
+
+def compile_pays(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """The rule ``compile="auto"`` follows: whether a compiled step is faster than the eager one
+    for a model on `device` in `dtype`. On CUDA always (one graph replaces a launch per kernel:
+    the step is launch-bound at batch 1). On a CPU in bfloat16 too: measured faster there
+    (`eval/step_speed.py`, docs/benchmarks.md "The step at the machine's limit"); in float32 the
+    eager step with streamspec's packed oneDNN kernels is kept (measured as fast or faster)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return True
+    return kind == "cpu" and dtype == torch.bfloat16
 
 
 def _option(help: str, parse=None, metavar: str | None = None, choices=None) -> dict:
@@ -77,7 +92,9 @@ class DecodeConfig:
             uncompiled, unpruned).
         verify: where a pass decides what it accepts: ``auto``, ``device`` or ``host``.
         compile: run each draft-tree pass through torch.compile with static shapes (True: the
-            inductor backend, or a backend name); one sequence, unpruned.
+            inductor backend, or a backend name); one sequence, unpruned. ``"auto"``: compiled
+            where `compile_pays` says it is faster and the rest of the options allow it (one
+            sequence, a fixed tree, no pruning), else eager (`resolved`).
     """
 
     tree_top_k: int | tuple[int, ...] | None = field(default=None, metadata=_option(
@@ -93,8 +110,8 @@ class DecodeConfig:
         "where a pass verifies its draft: device (tensor ops, one read a pass), host (a walk down the accepted "
         "path), auto (host on a CPU, device elsewhere)", None, None, VERIFY_CHOICES))
     compile: bool | str = field(default=False, metadata=_option(
-        "compile each draft-tree pass with static shapes (on, off, or a torch.compile backend)", compile_arg,
-        "on|off|BACKEND"))
+        "compile each pass with static shapes (on, off, auto: where it is faster and the tree allows, or a "
+        "torch.compile backend)", compile_arg, "on|off|auto|BACKEND"))
 
     def __post_init__(self) -> None:
         top_k = self.tree_top_k
@@ -113,8 +130,8 @@ class DecodeConfig:
             raise ValueError(f"tree_budget must be an int >= 1 (nodes, the root included) or None, got {budget!r}")
         if self.verify not in VERIFY_CHOICES:
             raise ValueError(f"verify must be one of {list(VERIFY_CHOICES)}, got {self.verify!r}")
-        if not (isinstance(self.compile, bool) or self.compile in COMPILE_BACKENDS):
-            raise ValueError(f"compile must be a bool or one of {list(COMPILE_BACKENDS)}, got {self.compile!r}")
+        if not (isinstance(self.compile, bool) or self.compile in COMPILE_BACKENDS or self.compile == "auto"):
+            raise ValueError(f"compile must be a bool, 'auto' or one of {list(COMPILE_BACKENDS)}, got {self.compile!r}")
         backend = self.compile_backend
         if backend is not None:
             if self.prune_threshold is not None:
@@ -136,10 +153,24 @@ class DecodeConfig:
                          f"speculative decoding; not with {why}")
 
     # -- derived -------------------------------------------------------------------------------
+    def resolved(self, model, batch: int = 1, speculative: bool = True) -> "DecodeConfig":
+        """This config with ``compile="auto"`` decided for `model` (`compile_pays` on its device
+        and dtype, where a compiled pass can run: one sequence, no pruning, a fixed tree, device
+        verification); any other config unchanged."""
+        if self.compile != "auto":
+            return self
+        try:
+            param = next(model.parameters())
+        except (StopIteration, AttributeError):
+            return self.replace(compile=False)
+        possible = (batch == 1 and self.prune_threshold is None and not self.host_tree and self.verify != "host"
+                    and hasattr(model, "num_drafts"))
+        return self.replace(compile=bool(possible and compile_pays(param.device, param.dtype)))
+
     @property
     def compile_backend(self) -> str | None:
-        """The torch.compile backend, or None when uncompiled."""
-        if self.compile is False:
+        """The torch.compile backend, or None when uncompiled (``"auto"`` before `resolved`)."""
+        if self.compile is False or self.compile == "auto":
             return None
         return "inductor" if self.compile is True else self.compile
 
@@ -168,6 +199,7 @@ class DecodeConfig:
         from ..patch.decoder import DecoderParts
         from ..patch.model import StreamedModel
 
+        self = self.resolved(model, batch, speculative)  # compile="auto" decided for this model
         if not isinstance(model, DecoderParts):
             if self != DecodeConfig(verify=self.verify):
                 raise ValueError("tree_top_k, prune_threshold, lookup, tree_budget and compile are for streamed models "

@@ -119,6 +119,7 @@ def generate(
     config = decode_config_of(config, tree_top_k=tree_top_k, prune_threshold=prune_threshold, lookup=lookup,
                               tree_budget=tree_budget, verify=verify, compile=compile)
     batched = input_ids.dim() == 2 and input_ids.shape[0] > 1
+    config = config.resolved(model, batch=input_ids.shape[0] if batched else 1, speculative=speculative)
     _check_generate_args(model, input_ids, max_new_tokens, config, attention_mask, speculative)
     prune_threshold, lookup, tree_budget = config.prune_threshold, config.lookup, config.tree_budget
     backend = config.compile_backend

@@ -90,6 +90,7 @@ class DecodingSession:
                  config: DecodeConfig | None = None) -> None:
         config = decode_config_of(config, tree_top_k=tree_top_k, prune_threshold=prune_threshold, compile=compile,
                                   lookup=lookup, verify=verify, tree_budget=tree_budget)
+        config = config.resolved(model)
         self.model = model
         self.streamed = isinstance(model, DecoderParts)  # streams or Medusa heads: the tree verifier
         if not self.streamed and not hasattr(model, "config"):

@@ -110,7 +110,7 @@ def row_config(base: DecodeConfig | None = None, **options) -> DecodeConfig:
     row's own. A row whose tree is built on the host (lookup branches, a confidence budget) or
     pruned cannot be compiled: it runs uncompiled (its summary entry says so)."""
     base = base or DecodeConfig()
-    if base.compile_backend is not None and any(options.get(k) is not None for k in ("lookup", "tree_budget",
+    if (base.compile_backend is not None or base.compile == "auto") and any(options.get(k) is not None for k in ("lookup", "tree_budget",
                                                                                    "prune_threshold")):
         base = base.replace(compile=False)
     return base.replace(**options)
@@ -122,7 +122,7 @@ def streaming_method(model, eos_token_id, config: DecodeConfig | None = None, sp
     and the row's own decode options."""
 
     device = next(model.parameters()).device
-    config = row_config(config, **options)
+    config = row_config(config, **options).resolved(model, speculative=speculative)
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
         out = generate(model, ids.to(device), max_new_tokens, eos_token_id=eos_token_id, speculative=speculative,

@@ -99,7 +99,8 @@ def test_every_decode_option_is_a_flag_of_the_commands_that_decode(command):
     assert decode_config_from_args(args) == DecodeConfig(tree_top_k=(2, 1, 1), lookup=PromptLookup(8, 2),
                                                          verify="device", compile=False, tree_budget=6)
     defaults = decode_config_from_args(sub.parse_args(["--checkpoint", "x"] + (["--prompt", "p"] if command == "generate" else [])))
-    assert defaults == DecodeConfig()  # tree_top_k None: 3 for one sequence, and nothing asked of a plain model
+    # tree_top_k None: 3 for one sequence; compiled where it pays; nothing asked of a plain model
+    assert defaults == DecodeConfig(compile="auto") and defaults.check(make_model("llama")) is not None
     with pytest.raises(SystemExit):
         sub.parse_args(["--checkpoint", "x", "--verify", "gpu"])
 
@@ -113,13 +114,33 @@ def test_eval_takes_the_options_every_row_shares():
     # its tree flags take auto too, and pruning is --thresholds (tried on validation)
     assert {flag_of(f.name) for f in decode_fields() if f.name != "prune_threshold"} | {"--thresholds"} <= flags
     args = sub.parse_args(["--checkpoint", "x", "--verify", "host"])
-    assert decode_config_from_args(args, only=EVAL_DECODE_FLAGS) == DecodeConfig(verify="host")
+    assert decode_config_from_args(args, only=EVAL_DECODE_FLAGS) == DecodeConfig(verify="host", compile="auto")
     # a compiled command: rows built on the host or pruned run uncompiled, the rest compiled
     compiled = DecodeConfig(compile="eager")
     assert row_config(compiled, tree_top_k=2).compile == "eager"
     assert row_config(compiled, tree_top_k=2, lookup=PromptLookup()).compile is False
     assert row_config(compiled, prune_threshold=0.1).compile is False
     assert streaming_method(_model(), 0, compiled, speculative=False).config.compile == "eager"  # streamed_ar too
+
+
+def test_compile_auto_follows_the_rule_where_a_compiled_pass_can_run():
+    from streamspec.decoding.config import compile_arg, compile_pays
+    from streamspec.evaluation.benchmark import row_config, streaming_method
+
+    assert compile_arg("auto") == "auto" and DecodeConfig(compile="auto").compile_backend is None
+    assert compile_pays("cuda", torch.float32) and compile_pays("cpu", torch.bfloat16)
+    assert not compile_pays("cpu", torch.float32) and not compile_pays("mps", torch.bfloat16)
+    model = _model()  # float32 on the CPU: eager
+    assert DecodeConfig(compile="auto").resolved(model).compile is False
+    bf16 = _model().to(torch.bfloat16)
+    assert DecodeConfig(compile="auto").resolved(bf16).compile is True
+    for blocked in (dict(lookup=PromptLookup()), dict(tree_budget=5), dict(prune_threshold=0.1), dict(verify="host")):
+        assert DecodeConfig(compile="auto", **blocked).resolved(bf16).compile is False, blocked
+    assert DecodeConfig(compile="auto").resolved(bf16, batch=2).compile is False
+    assert DecodeConfig(compile="auto").resolved(make_model("llama").to(torch.bfloat16)).compile is False  # no streams
+    assert DecodeConfig(compile=True).resolved(model).compile is True  # only auto is decided
+    assert streaming_method(model, 0, DecodeConfig(compile="auto")).config.compile is False
+    assert row_config(DecodeConfig(compile="auto"), lookup=PromptLookup()).compile is False
 
 
 def test_reason_takes_the_drafters_decode_options_from_the_same_fields(tiny_dir):
