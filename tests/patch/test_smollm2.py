@@ -130,7 +130,8 @@ def test_demo_introduction_shows_overhead_and_lossless_check(capsys):
         assert line in shown
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-sql-streams", "smollm2-135m-summarize-streams"])
+@pytest.mark.parametrize("name", ["smollm2-135m-sql-streams", "smollm2-135m-summarize-streams",
+                                  "smollm2-135m-reason-streams"])
 def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer, name):
     """The stream weights in streamspec/weights/ (what `make demo` benchmarks) load by name for
     the default model, strictly, and decode the base model's own tokens with fewer passes."""
@@ -143,7 +144,16 @@ def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer, n
     loaded = load_for_inference(f"streamspec:{name}", device="cpu", dtype="float32", cpu_kernels=False)
     assert loaded.streamed and loaded.model.stream_config.mode == "lossless"
     assert loaded.source == str(shipped_streams_path(name))
-    ids = prompt_ids(tokenizer, (load_spider("test") if "sql" in name else load_aclsum("test"))[3])
+    if "reason" in name:  # the drafter's own prompt: a GSM8K evaluation problem in SpecReason's framing
+        from streamspec.data.reasoning import solve_message
+        from streamspec.reason.tasks import load_problems
+
+        problem = load_problems(task="gsm8k", limit=1)[0].question
+        text = tokenizer.apply_chat_template([{"role": "user", "content": solve_message(problem)}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
+    else:
+        ids = prompt_ids(tokenizer, (load_spider("test") if "sql" in name else load_aclsum("test"))[3])
     plain = base.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
     eos = tokenizer.eos_token_id
     out = generate(loaded.model, ids, 24, tree_top_k=(2, 1, 1), eos_token_id=eos)
