@@ -52,6 +52,9 @@ def report(
         entry = r.summary(base_tps)
         if reference in results and name != "prompt_lookup" and not name.startswith("baseline"):
             entry["identical_to_autoregressive"] = r.token_ids == results[reference].token_ids
+            # in a reduced precision near-ties may part: the share of prompts with identical outputs
+            same = sum(a == b for a, b in zip(r.token_ids, results[reference].token_ids))
+            entry["identical_share_to_autoregressive"] = round(same / max(len(r.token_ids), 1), 3)
         if base is not None and name != "baseline" and (name == "baseline_default_kernels" or baseline_is_base):
             entry["identical_to_baseline"] = r.token_ids == base.token_ids
         entry.update(quality(task, rows, r.texts))
