@@ -8,18 +8,9 @@ store's size per example; and each path's loss per batch (offline must equal onl
 
 import argparse
 import json
-import platform
-import subprocess
 
+from streamspec.devices import cpu_model
 from streamspec.training.profiling import offline_step_time
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def main() -> None:

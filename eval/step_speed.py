@@ -14,24 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 
 import torch
 
+from streamspec.devices import cpu_model
 from streamspec.data.build import prompt_ids
 from streamspec.data.tasks import task_rows
 from streamspec.decoding import DecodeConfig, generate
 from streamspec.loading import load_for_inference
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def main() -> None:

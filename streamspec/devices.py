@@ -103,3 +103,16 @@ def dtype_or_base(dtype: str | torch.dtype | None, base: str | Path | None) -> t
     if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
         return base_dtype(base)
     return resolve_dtype(dtype, "cpu")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as `lscpu` gives it ("AMD EPYC", "Intel(R) Xeon(R) ..."): what every
+    measurement records beside its figures, since the machines change between sessions."""
+    import platform
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"

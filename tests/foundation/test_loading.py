@@ -337,3 +337,10 @@ def test_every_checkpoint_reader_takes_shipped_names():
     assert recorded_base(name) == recorded_base(shipped_streams_path())
     with pytest.raises(Exception, match="stream_config.json"):
         read_checkpoint_meta("streamspec:no-such-streams")
+
+
+def test_cpu_model_is_named_for_every_figure():
+    from streamspec.devices import cpu_model
+
+    name = cpu_model()  # lscpu's "Model name", or the platform's processor where there is no lscpu
+    assert isinstance(name, str) and name.strip() and "\n" not in name
