@@ -128,12 +128,12 @@ def _autoregressive_compiled(model, input_ids, max_new_tokens, stop: set[int], s
     generated = [read_to_host(token)[0]]
     record_pass(out, generated[-1:], (1, 1), start, forward_done, forward_done, clock())
     past = n
+    capacity = cache.capacity  # fixed by the reservation: one graph for the whole generation
+    graph, what = _graph_key(model, "token", capacity, sampler, backend), f"one token per pass, cache of {capacity}"
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         while len(generated) < max_new_tokens and generated[-1] not in stop:
             start = clock()
-            capacity = cache.capacity
-            with _CompileNotice(_graph_key(model, "token", capacity, sampler, backend),
-                                f"one token per pass, cache of {capacity}"):
+            with _CompileNotice(graph, what):
                 token = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), token,
                              sampler, key)
             forward_done = clock()

@@ -368,6 +368,7 @@ class ServerBackend(Backend):
                                  f"({str(err).splitlines()[0]}); pass tokenizer= (a folder or hub id)") from err
         self.frame = chat_frame(tokenizer)
         self._tokenizer = tokenizer
+        self._suffixes: dict[str, str] = {}
         self._check_server()
         self.text = ""
         self._calls = 0
@@ -448,8 +449,9 @@ class ServerBackend(Backend):
         start = time.perf_counter()
         request = judge_request(request or DEFAULT_REQUEST)
         self.text += step
-        suffix = chat_frame(self._tokenizer, request).judge_suffix if request.name != DEFAULT_REQUEST else \
-            self.frame.judge_suffix
+        if request.name not in self._suffixes:  # rendered once per request
+            self._suffixes[request.name] = chat_frame(self._tokenizer, request).judge_suffix
+        suffix = self._suffixes[request.name]
         reply = self._complete({"prompt": self.text + suffix, "max_tokens": 1, "temperature": 0.0, "logprobs": 20})
         choice = reply["choices"][0]
         answer_probs = dict.fromkeys(request.answers, 0.0)
