@@ -118,14 +118,7 @@ def load_streamed(
         base_model = load_base_model(str(base_model), dtype=dtype)
     if hasattr(base_model, "peft_config") or isinstance(base_model, StreamedModel):
         raise CheckpointError("pass the plain base model: the checkpoint carries its own adapter and streams")
-    actual = _base_facts(base_model.config)
-    wrong = {k: (recorded.get(k), actual[k]) for k in _CHECKED_FIELDS if recorded.get(k) != actual[k]}
-    if wrong:
-        details = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in wrong.items())
-        raise CheckpointError(f"the base model does not match the checkpoint in {folder} ({details})")
-    if recorded.get("fingerprint") and not _same_fingerprint(recorded["fingerprint"], base_fingerprint(base_model)):
-        raise CheckpointError(f"the base model is not the one the checkpoint in {folder} was made for: same shapes, "
-                              "different weights (its embedding fingerprint differs)")
+    check_base(folder, meta, base_model)
 
     config = StreamConfig.from_dict(meta["stream_config"])
     if meta.get("adapter"):
@@ -135,6 +128,20 @@ def load_streamed(
     model = add_streams(base_model, config)
     load_stream_weights(model, folder / WEIGHTS_FILE)
     return model.eval()
+
+
+def check_base(folder: Path, meta: dict[str, Any], base_model: nn.Module) -> None:
+    """Refuse a base model other than the one the checkpoint in `folder` was made for: another
+    architecture or size, or the same shapes with other weights (the embedding fingerprint)."""
+    recorded = meta["base_model"]
+    actual = _base_facts(base_model.config)
+    wrong = {k: (recorded.get(k), actual[k]) for k in _CHECKED_FIELDS if recorded.get(k) != actual[k]}
+    if wrong:
+        details = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in wrong.items())
+        raise CheckpointError(f"the base model does not match the checkpoint in {folder} ({details})")
+    if recorded.get("fingerprint") and not _same_fingerprint(recorded["fingerprint"], base_fingerprint(base_model)):
+        raise CheckpointError(f"the base model is not the one the checkpoint in {folder} was made for: same shapes, "
+                              "different weights (its embedding fingerprint differs)")
 
 
 def load_stream_weights(model: StreamedModel, path: Path) -> None:

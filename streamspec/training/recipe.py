@@ -162,6 +162,9 @@ class TrainingArgs:
     wandb_project: str = "streamspec"
     run_name: str | None = None
     deepspeed: str | None = None
+    # trained streams (or Medusa heads) to start from instead of fresh ones: a checkpoint folder
+    # or shipped weights by name; the same base and stream config as this recipe, or refused
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         _positive("training.batch_size", self.batch_size)

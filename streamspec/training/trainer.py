@@ -31,7 +31,7 @@ from ..data.build import PadCollator, load_rows, log_stats, tokenize_rows
 from ..data.distill import labelled_rows
 from ..patch.medusa import add_medusa_heads
 from ..patch.checkpoint import check_stream_config, load_training_checkpoint  # noqa: F401 (part of this API)
-from ..patch.resume import load_draft_checkpoint
+from ..patch.resume import init_draft_from, load_draft_checkpoint
 from ..patch.decoder import DecoderParts
 from ..patch.model import StreamedModel, add_streams
 from .recipe import Recipe
@@ -382,6 +382,11 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     set_seed(recipe.training.seed)  # before the model: stream vectors and LoRA are initialised randomly
     model, tokenizer = build_model(recipe)
     check_partitioned(model)
+    if recipe.training.init_from:
+        if recipe.streams is None and recipe.medusa is None:
+            raise ValueError("training.init_from starts from trained streams or Medusa heads; this recipe trains neither")
+        folder = init_draft_from(model, recipe.training.init_from)
+        logger.warning("starting from the trained %s in %s", "heads" if recipe.medusa is not None else "streams", folder)
     train_set, validation_set = build_datasets(recipe, tokenizer)
     if validation_set is None:
         args.eval_strategy = "no"

@@ -366,3 +366,46 @@ def test_reduced_precision_base_trains_float32_master_weights(tiny_dir, tmp_path
     assert (delta != 0).all() and lost_in_reduced.float().mean() > 0.9
     # (LoRA B and the adapters' up-projections start at 0, where a step of lr survives in either dtype.)
     assert all((trained[n] != trainable[n]).any() for n in trainable if "lora_B" in n or n.endswith("up.weight"))
+
+
+def test_init_from_starts_a_run_from_trained_streams_and_refuses_a_mismatch(tiny_dir, tmp_path, single_thread):
+    """``training.init_from`` loads a finished run's streams and LoRA before the first step (with a
+    vanishing learning rate the new run ends where the old one did, not at a fresh init), and a
+    checkpoint of another stream config or another base is refused before anything trains."""
+    from streamspec.patch.saving import CheckpointError
+    from streamspec.training.trainer import build_model
+
+    first = run_training(load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "first", **{"training.max_steps": 3})))
+    trained = load_streamed(first["export"]).state_dict()
+
+    def run(out, **extra):
+        values = {"training.max_steps": 1, "training.learning_rate": 1e-12, "training.stream_learning_rate": 1e-12,
+                  "training.init_from": first["export"], **extra}
+        return load_streamed(run_training(load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / out, **values)))["export"])
+
+    started = run("started").state_dict()
+    fresh = run("fresh", **{"training.init_from": "null"}).state_dict()
+    moved = [k for k in trained if k.startswith("streams.") or "lora_B" in k]
+    assert moved, "the run must have stream and LoRA weights to carry over"
+    for key in moved:
+        torch.testing.assert_close(started[key].float(), trained[key].float(), atol=1e-6, rtol=0)
+    assert any(not torch.allclose(fresh[k].float(), trained[k].float(), atol=1e-4) for k in moved), \
+        "without init_from the streams start fresh: this test must be able to tell the two apart"
+
+    other_streams = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "x", **{"streams.num_streams": 2,
+                                                                                    "training.init_from": first["export"]}))
+    with pytest.raises(ValueError, match="another stream config"):
+        run_training(other_streams)
+
+    other_base = tmp_path / "other-base"
+    shutil.copytree(tiny_dir, other_base)
+    model, _ = build_model(load_recipe(RECIPE, _overrides(other_base, tmp_path / "y")))
+    with torch.no_grad():
+        model.hf_model.get_input_embeddings().weight.mul_(1.5)
+    model.hf_model.save_pretrained(other_base)
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        run_training(load_recipe(RECIPE, _overrides(other_base, tmp_path / "z", **{"training.init_from": first["export"]})))
+    assert not (tmp_path / "z" / "final").exists()
+
+    with pytest.raises(FileNotFoundError, match="init_from"):
+        run_training(load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "w", **{"training.init_from": str(tmp_path / "nowhere")})))
