@@ -23,16 +23,17 @@ class ReasonConfig:
 
     Args:
         judge_request: what the judge is asked (`streamspec.reason.judging.JUDGE_REQUESTS`):
-            ``"score_0_9"`` (the paper's 0-9 score), ``"error_yes_no"`` or ``"correct_yes_no"``
-            (the YAML key ``judge.request`` sets it too).
+            ``"score_0_9"`` (the paper's 0-9 score), ``"error_yes_no"``, ``"correct_yes_no"``,
+            ``"error_yes_no_fewshot"`` or ``"correct_or_error"`` (the YAML key
+            ``judge.request`` sets it too).
         threshold: keep a drafted step when the judge's score is >= this, in the score's own
             units (0..9 for score_0_9; a probability for the yes/no requests' first reading);
             default the request's (7 for score_0_9, 0.5 for the yes/no requests).
         score: how the answer is read, one of the request's readings (default its first): for
             score_0_9 ``"argmax"`` (the judge's most likely next token; a non-digit counts as
             0) or ``"expected"`` (Σ d·p(d) over the digit tokens' probabilities, renormalised);
-            for error_yes_no ``"p_no_error"`` or ``"log_odds"``; for correct_yes_no
-            ``"p_correct"`` or ``"log_odds"``.
+            for error_yes_no(_fewshot) ``"p_no_error"`` or ``"log_odds"``; for correct_yes_no
+            and correct_or_error ``"p_correct"`` or ``"log_odds"``.
         step_delimiter: a step is the text up to and including this.
         step_max_tokens: the most tokens one step may take.
         token_budget: every generated token counts (kept and rejected drafts, rewrites, the

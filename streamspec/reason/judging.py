@@ -13,8 +13,16 @@ has its readings (`scores`), each with its own units, and the threshold is in th
   (P(No) / (P(Yes) + P(No)), in [0, 1]) and ``log_odds`` (log P(No) − log P(Yes)).
 - ``correct_yes_no``: "is the last step correct? Yes or No". Readings ``p_correct`` and
   ``log_odds`` (log P(Yes) − log P(No)).
+- ``error_yes_no_fewshot``: ``error_yes_no`` with three worked judgements before the question
+  (a wrong calculation, a right step, an invalid deduction); the same readings. The examples
+  follow the reasoning, so a server's prompt cache cannot keep them: each judgement prefills
+  them again (~170 tokens).
+- ``correct_or_error``: "is the last step Correct, or does it contain an Error?", one word of
+  two that are not yes and no (a judge's bias towards "Yes" cannot carry it). Readings
+  ``p_correct`` (P(Correct) / (P(Correct) + P(Error))) and ``log_odds``.
 
-More requests are entries of `JUDGE_REQUESTS`.
+More requests are entries of `JUDGE_REQUESTS`: a two-answer request names its `good` and `bad`
+answers.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ class JudgeRequest:
         scores: the readings of the answer probabilities, the first the default.
         default_threshold: a kept step scores >= this (in the default reading's units).
         bounds: the range a threshold may take per reading (None: unbounded).
+        good, bad: for a two-answer request, the answer that keeps the step and the one that
+            rejects it (readings: the good answer's share of the two, and the log-odds).
     """
 
     name: str
@@ -48,6 +58,13 @@ class JudgeRequest:
     scores: tuple[str, ...]
     default_threshold: float
     bounds: dict = field(hash=False, compare=False)
+    good: str | None = None
+    bad: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name != "score_0_9" and {self.good, self.bad} != set(self.answers):
+            raise ValueError(f"judge request {self.name!r}: good={self.good!r} and bad={self.bad!r} must be its "
+                             f"two answers {list(self.answers)}")
 
     def score(self, probs: dict[str, float], top: str | None, how: str) -> float:
         """The reading `how` of the answer probabilities `probs` (and `top`, the answer of the
@@ -59,8 +76,7 @@ class JudgeRequest:
                 return float(int(top)) if top is not None else 0.0
             mass = sum(probs.values())
             return 0.0 if mass <= 0 else sum(int(d) * p for d, p in probs.items()) / mass
-        good, bad = ("No", "Yes") if self.name == "error_yes_no" else ("Yes", "No")
-        p_good, p_bad = probs.get(good, 0.0), probs.get(bad, 0.0)
+        p_good, p_bad = probs.get(self.good, 0.0), probs.get(self.bad, 0.0)
         if how == "log_odds":
             return math.log(max(p_good, 1e-12)) - math.log(max(p_bad, 1e-12))
         return p_good / (p_good + p_bad) if p_good + p_bad > 0 else 0.5
@@ -84,14 +100,35 @@ JUDGE_REQUESTS: dict[str, JudgeRequest] = {
         text=("Does the last step of the reasoning above contain an error: a wrong fact, a wrong calculation or "
               "an invalid deduction? Judge only the last step. Answer Yes or No."),
         reply_opening="", answers=_YES_NO, scores=("p_no_error", "log_odds"), default_threshold=0.5,
-        bounds={"p_no_error": (0, 1), "log_odds": (None, None)},
+        bounds={"p_no_error": (0, 1), "log_odds": (None, None)}, good="No", bad="Yes",
     ),
     "correct_yes_no": JudgeRequest(
         name="correct_yes_no",
         text=("Is the last step of the reasoning above correct: true facts, right calculations and a valid "
               "deduction? Judge only the last step. Answer Yes or No."),
         reply_opening="", answers=_YES_NO, scores=("p_correct", "log_odds"), default_threshold=0.5,
-        bounds={"p_correct": (0, 1), "log_odds": (None, None)},
+        bounds={"p_correct": (0, 1), "log_odds": (None, None)}, good="Yes", bad="No",
+    ),
+    "error_yes_no_fewshot": JudgeRequest(
+        name="error_yes_no_fewshot",
+        text=("You check one step of a solution at a time. Three examples of last steps and the verdicts:\n"
+              "Last step: \"Each box holds 12 pens, so 7 boxes hold 12 * 7 = 74 pens.\" Error: Yes "
+              "(12 * 7 is 84).\n"
+              "Last step: \"She paid $20 and the book cost $13.50, so her change is 20 - 13.50 = $6.50.\" "
+              "Error: No.\n"
+              "Last step: \"x^2 = 9, so x = 3 is the only solution.\" Error: Yes (x = -3 also solves it).\n"
+              "Now the reasoning above. Does its last step contain an error: a wrong fact, a wrong calculation "
+              "or an invalid deduction? Judge only the last step. Answer Yes or No."),
+        reply_opening="", answers=_YES_NO, scores=("p_no_error", "log_odds"), default_threshold=0.5,
+        bounds={"p_no_error": (0, 1), "log_odds": (None, None)}, good="No", bad="Yes",
+    ),
+    "correct_or_error": JudgeRequest(
+        name="correct_or_error",
+        text=("Is the last step of the reasoning above Correct (true facts, right calculations, a valid "
+              "deduction), or does it contain an Error? Judge only the last step. Answer with one word: "
+              "Correct or Error."),
+        reply_opening="", answers=("Correct", "Error"), scores=("p_correct", "log_odds"), default_threshold=0.5,
+        bounds={"p_correct": (0, 1), "log_odds": (None, None)}, good="Correct", bad="Error",
     ),
 }
 DEFAULT_REQUEST = "score_0_9"

@@ -31,6 +31,14 @@ def test_each_request_reads_its_answers_in_its_own_units():
     assert error.score({"Yes": 0.2, "No": 0.6}, "No", "log_odds") == pytest.approx(torch.tensor(3.0).log().item())
     correct = judge_request("correct_yes_no")
     assert correct.score({"Yes": 0.2, "No": 0.6}, "No", "p_correct") == pytest.approx(0.25)
+    fewshot, verdict = judge_request("error_yes_no_fewshot"), judge_request("correct_or_error")
+    assert fewshot.score({"Yes": 0.2, "No": 0.6}, "No", "p_no_error") == pytest.approx(0.75)
+    assert "Error: Yes" in fewshot.text and fewshot.text.endswith(error.text.split("? ", 1)[1])
+    assert verdict.score({"Correct": 0.1, "Error": 0.3}, "Error", "p_correct") == pytest.approx(0.25)
+    assert verdict.score({"Correct": 0.1, "Error": 0.3}, "Error", "log_odds") == pytest.approx(-torch.tensor(3.0).log().item())
+    with pytest.raises(ValueError, match="must be its two answers"):
+        type(error)(name="odd", text="?", reply_opening="", answers=("Yes", "No"), scores=("p",), default_threshold=0.5,
+                    bounds={}, good="Yes", bad="Maybe")
     with pytest.raises(ValueError, match="reads"):
         error.score({}, None, "argmax")
     with pytest.raises(ValueError, match="unknown judge request"):
@@ -126,7 +134,7 @@ class _Judge:
             return Judgement.of_answers(request, {str(d): float(d == 9 - k) for d in range(10)}, str(9 - k), 1, 0.0)
         wrong = "wrong" in step
         no, yes = (0.2, 0.8) if wrong else (0.8, 0.2)
-        good, bad = ("No", "Yes") if request.name == "error_yes_no" else ("Yes", "No")
+        good, bad = request.good, request.bad
         return Judgement.of_answers(request, {good: no, bad: yes}, good if not wrong else bad, 1, 0.0)
 
 
