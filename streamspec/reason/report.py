@@ -184,7 +184,11 @@ def _fmt(value: Any, digits: int = 2, percent: bool = False) -> str:
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    """The summary as Markdown: a main table, then stop reasons and mean seconds per phase."""
+    """The summary as Markdown: a main table, then stop reasons and mean seconds per phase (left
+    out when no method ran, as with ``--calibrate-only``), then any judge calibration."""
+    if not summary.get("methods"):
+        return "\n".join(_calibration_lines(summary["calibration"]) if summary.get("calibration") else
+                         ["No method ran."]) + "\n"
     head = ["method", "n", "accuracy (95% CI)", "answered", "speedup (total)", "speedup (geomean)",
             "mean s", "mean tokens", "acceptance", "drafter share", "draft tok/pass", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -158,6 +158,8 @@ def test_calibration_compares_requests_within_position_and_resumes(tmp_path):
     table = markdown(summary)
     assert f"| error_yes_no | p_no_error | {errors['auroc']:.3f} | 1.000 | 0.800 | 100.0% | 100.0% |" in table
     assert "Best within position: `error_yes_no`" in table and "(the step's position alone)" in table
+    assert "| method | n |" not in table and "stop reasons" not in table  # no method ran: no empty tables
+    assert markdown(summarize([])).strip() == "No method ran."
 
 
 @pytest.mark.slow
