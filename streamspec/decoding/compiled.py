@@ -6,6 +6,12 @@ backend (one graph per model, tree shape, sampler settings and cache capacity); 
 is the loop of `streamspec.decoding.loop.speculate` after the prefill, one compiled call a pass.
 `autoregressive_compiled` is one token per pass (``speculative=False``) the same way: the prefill
 uncompiled, then one compiled `token_pass` per token over the whole cache buffers.
+
+Trees built on the host each pass (lookup branches, a confidence budget) compile too
+(`speculate_compiled_host`): each pass's tree is padded (`streamspec.decoding.tree.padded_tree`)
+to the smallest of a few sizes (`host_tree_sizes`: the stream tree, then one lookup branch more
+per size) with a static depth, and its structure and tokens are tensors the compiled
+`host_tree_pass` takes, so one graph per size serves every shape.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from .cache import StaticCacheView
 from .config import DecodeConfig
 from .output import _within_limits, commit_pass, read_to_host, record_pass
 from .sampling import Sampler
-from .tree import DraftTree
+from .tree import DraftTree, padded_tree
 from .verify import verify_on_device as _verify
 
 def _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler, tree, width,
@@ -79,6 +85,109 @@ def _tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torc
     slots = torch.arange(tree.size, device=tokens.device)[None]
     main, streams = model.step(tokens[None], positions, main_ok, slots, cache)
     return _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key)
+
+
+def _host_tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torch.Tensor], past: torch.Tensor,
+                    tokens: torch.Tensor, tree: DraftTree, sampler: Sampler, key: torch.Tensor, width: int,
+                    draft_depth: int, with_scores: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over a tree built on the host (`padded_tree`: its structure and `tokens` [N] are
+    tensors), every shape static: the model over the tree with the cache buffers seen whole, then
+    `_verify`. Returns the accepted path [D+1] and, flat in one vector for the pass's one read,
+    `_verify`'s summary [D+2], the next candidates [draft_depth * width] and, `with_scores`,
+    their log-probabilities."""
+    cache = StaticCacheView(keys, values, past)
+    capacity = keys[0].shape[-2]
+    positions = (past + tree.depth)[None]
+    main_ok = static_main_allowed(tree.ancestors, past, capacity)
+    slots = torch.arange(tree.size, device=tokens.device)[None]
+    main, streams = model.step(tokens[None], positions, main_ok, slots, cache)
+    verified = _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key,
+                       draft_depth=draft_depth, with_scores=with_scores)
+    parts = [verified[1].double(), verified[3].flatten().double()] + ([verified[4].flatten().double()] if with_scores else [])
+    return verified[0], torch.cat(parts)
+
+
+@lru_cache(maxsize=None)
+def _compiled_host_pass(backend: str):
+    """`_host_tree_pass` through torch.compile with static shapes (one graph per model, padded
+    size, depth, sampler settings and cache capacity; the tree's structure is data)."""
+    return torch.compile(_host_tree_pass, backend=backend, dynamic=False, fullgraph=True)
+
+
+def host_tree_sizes(stream_nodes: int, lookup, most_nodes: int) -> list[int]:
+    """The padded sizes a compiled pass over host-built trees takes (one graph each): the stream
+    tree alone, then room for one more lookup branch per size, up to `most_nodes`."""
+    if lookup is None:
+        return [stream_nodes]
+    return sorted({min(stream_nodes + k * lookup.tokens, most_nodes) for k in range(lookup.matches + 1)} | {most_nodes})
+
+
+def _speculate_compiled_host(model, cache, past, generated, ended, max_new_tokens, sampler, shape, stream_tree,
+                             host_candidates, host_scores, tree_budget, lookup, text, most_nodes, width, stop,
+                             on_tokens, clock, backend, out, new_ids):
+    """The loop of `speculate` after the prefill for trees built on the host (lookup branches,
+    a confidence budget), one compiled `_host_tree_pass` call per pass: the host builds the
+    tree as the uncompiled loop does, pads it to the smallest size of `host_tree_sizes`, and
+    reads the accepted tokens and the next candidates (and scores) in one read."""
+    from .lookup import StreamTreeOnHost
+
+    device = new_ids.device
+    step = _compiled_host_pass(backend)
+    key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
+    capacity = cache.capacity
+    draft_depth = len(shape)
+    depth_limit = max(draft_depth, lookup.tokens) if lookup is not None else draft_depth
+    stream_nodes = len(stream_tree.parent) if tree_budget is None else min(tree_budget, len(stream_tree.parent))
+    sizes = host_tree_sizes(stream_nodes, lookup, most_nodes)
+    with_scores = tree_budget is not None
+    summary_length = depth_limit + 2
+
+    def graph_of(size):
+        return _graph_key(model, ("host tree", size, depth_limit, draft_depth, width, with_scores), capacity,
+                          sampler, backend)
+
+    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        # Every size's graph first (a root padded to that size: its writes past the stored entries
+        # are overwritten by the next pass), so that no later pass of this or another generation
+        # stops to compile when its tree first reaches a size.
+        for size in sizes:
+            if ended or graph_of(size) in _SEEN:
+                continue
+            with _CompileNotice(graph_of(size), f"trees of up to {size} nodes, cache of {capacity}"):
+                step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device),
+                     torch.full((size,), generated[-1], dtype=new_ids.dtype, device=device),
+                     padded_tree([-1], size, depth_limit, shape).to(device), sampler, key, width, draft_depth,
+                     with_scores)
+        while len(generated) < max_new_tokens and not ended:
+            start = clock()
+            base = stream_tree if tree_budget is None else StreamTreeOnHost.grown(host_scores, tree_budget)
+            branches = text.continuations(lookup) if lookup is not None else []
+            parents, host_tokens = base.with_branches(generated[-1], host_candidates, branches,
+                                                      lookup.budget if lookup is not None else None)
+            size = next(s for s in sizes if s >= len(parents))
+            tree = padded_tree(parents, size, depth_limit, shape).to(device)
+            tokens = torch.tensor(host_tokens + host_tokens[:1] * (size - len(parents)), dtype=new_ids.dtype,
+                                  device=device)
+            if past + size > capacity:  # pragma: no cover - the capacity was reserved for this
+                raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
+            path, flat = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), tokens,
+                              tree, sampler, key, width, draft_depth, with_scores)
+            forward_done = clock()
+            values = read_to_host(flat)
+            summary, rest = [int(v) for v in values[:summary_length]], values[summary_length:]
+            host_candidates = [[int(v) for v in rest[d * width : (d + 1) * width]] for d in range(draft_depth)]
+            if with_scores:
+                rest = rest[draft_depth * width :]
+                host_scores = [rest[d * width : (d + 1) * width] for d in range(draft_depth)]
+            new = summary[1 : summary[0] + 2]
+            head_done = clock()
+            past, ended = commit_pass(cache, past, new, ((path, None),), generated, max_new_tokens, stop, on_tokens)
+            if lookup is not None:
+                text.extend(new)
+            record_pass(out, new, (size, size), start, forward_done, head_done, clock())
+    kept_tokens = _within_limits(generated, 0, max_new_tokens, stop)
+    out.tokens = torch.tensor([kept_tokens], dtype=new_ids.dtype, device=device)
+    return out, past, kept_tokens
 
 
 def _token_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torch.Tensor], past: torch.Tensor,
@@ -199,5 +308,7 @@ def _compile_backend(compile: bool | str) -> str | None:
 tree_pass = _tree_pass
 compiled_pass = _compiled_pass
 speculate_compiled = _speculate_compiled
+speculate_compiled_host = _speculate_compiled_host
+host_tree_pass = _host_tree_pass
 token_pass = _token_pass
 autoregressive_compiled = _autoregressive_compiled

@@ -87,14 +87,15 @@ class DecodeConfig:
             1 (the single best path) for a batch.
         prune_threshold: drop draft children whose early-exit transition probability is below it
             (streams only; fixed trees).
-        lookup: prompt-lookup branches in the draft tree (one sequence, uncompiled, unpruned).
+        lookup: prompt-lookup branches in the draft tree (one sequence, unpruned).
         tree_budget: grow each pass's tree by confidence up to this many nodes (one sequence,
-            uncompiled, unpruned).
+            unpruned).
         verify: where a pass decides what it accepts: ``auto``, ``device`` or ``host``.
         compile: run each draft-tree pass through torch.compile with static shapes (True: the
-            inductor backend, or a backend name); one sequence, unpruned. ``"auto"``: compiled
+            inductor backend, or a backend name); one sequence, unpruned; trees built on the
+            host (lookup, tree_budget) are padded to a few fixed sizes. ``"auto"``: compiled
             where `compile_pays` says it is faster and the rest of the options allow it (one
-            sequence, a fixed tree, no pruning), else eager (`resolved`).
+            sequence, no pruning), else eager (`resolved`).
     """
 
     tree_top_k: int | tuple[int, ...] | None = field(default=None, metadata=_option(
@@ -144,27 +145,24 @@ class DecodeConfig:
                 continue
             if self.prune_threshold is not None:
                 self._host_tree_refused(feature, "prune_threshold (pruning needs the fixed tree's node order)")
-            if backend is not None:
-                self._host_tree_refused(feature, "compile (the tree changes shape every pass)")
 
     @staticmethod
     def _host_tree_refused(feature: str, why: str) -> None:
-        raise ValueError(f"{feature}: each pass's tree is built on the host, for one sequence's uncompiled "
+        raise ValueError(f"{feature}: each pass's tree is built on the host, for one sequence's "
                          f"speculative decoding; not with {why}")
 
     # -- derived -------------------------------------------------------------------------------
     def resolved(self, model, batch: int = 1, speculative: bool = True) -> "DecodeConfig":
         """This config with ``compile="auto"`` decided for `model` (`compile_pays` on its device
-        and dtype, where a compiled pass can run: one sequence, no pruning, a fixed tree, device
-        verification); any other config unchanged."""
+        and dtype, where a compiled pass can run: one sequence, no pruning, device verification);
+        any other config unchanged."""
         if self.compile != "auto":
             return self
         try:
             param = next(model.parameters())
         except (StopIteration, AttributeError):
             return self.replace(compile=False)
-        possible = (batch == 1 and self.prune_threshold is None and not self.host_tree and self.verify != "host"
-                    and hasattr(model, "num_drafts"))
+        possible = batch == 1 and self.prune_threshold is None and self.verify != "host" and hasattr(model, "num_drafts")
         return self.replace(compile=bool(possible and compile_pays(param.device, param.dtype)))
 
     @property

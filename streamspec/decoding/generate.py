@@ -101,11 +101,11 @@ def generate(
         lookup: prompt-lookup branches in the stream tree (`streamspec.decoding.lookup.PromptLookup`):
             each pass, continuations of the text's latest n-gram found earlier in the prompt or
             the generated text join the tree as extra branches, verified in the same pass. Exact
-            like the stream tree. One sequence, uncompiled, without pruning.
+            like the stream tree. One sequence, without pruning.
         tree_budget: shape each pass's tree by confidence instead: from the `tree_top_k`
             candidates of each stream, grow the tree best-first by path probability (the product
             of the streams' probabilities along it) until it has this many nodes
-            (`streamspec.decoding.tree.grow_tree`). One sequence, uncompiled, without pruning.
+            (`streamspec.decoding.tree.grow_tree`). One sequence, without pruning.
         verify: where a pass decides what it accepts. ``"device"``: with tensor operations on the
             model's device, one LM-head call over every row the pass may need (each node's main
             row and stream rows) and one read to the host per pass. ``"host"``: a walk down the

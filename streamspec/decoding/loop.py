@@ -15,6 +15,7 @@ from ..patch.layout import causal, main_allowed
 from ..patch.model import StreamedModel
 from .cache import MainStreamCache
 from .compiled import _CAPACITY_STEP, _compile_backend, speculate_compiled as _speculate_compiled
+from .compiled import speculate_compiled_host as _speculate_compiled_host
 from .config import DecodeConfig
 from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost
 from .output import GenerateOutput, _within_limits, commit_pass, read_to_host, record_pass, stop_set
@@ -102,7 +103,8 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     thing more, the number of nodes kept, since the rest of the pass runs on that many rows.
 
     With `compile` (True or a backend name; see `generate`), every pass after the prefill is one
-    call of the compiled `_tree_pass` over the cache's whole buffers; `prune_threshold` must then
+    call of the compiled `_tree_pass` over the cache's whole buffers (with lookup branches or a
+    tree budget, of `_host_tree_pass` over the host's tree, padded); `prune_threshold` must then
     be None.
 
     With `host_walk`, a pass verifies with `_walk` instead (see `generate`'s ``verify``). With
@@ -165,6 +167,11 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
         host_scores = read_to_host(scores) if scores is not None else None
 
     ended = generated[0] in stop or stopped
+    if backend is not None and host_tree:
+        return _speculate_compiled_host(model, cache, past, generated, ended, max_new_tokens, sampler, shape,
+                                        stream_tree, host_candidates, host_scores, tree_budget, lookup,
+                                        text if lookup is not None else None, most_nodes, width, stop, on_tokens,
+                                        clock, backend, out, new_ids)
     if backend is not None:
         return _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler,
                                    tree, width, stop, on_tokens, clock, backend, out, new_ids)

@@ -76,7 +76,7 @@ class DecodingSession:
             `generate` and with other sessions of the model; it compiles again only when the
             cache's buffers grow.
         lookup: prompt-lookup branches in the draft tree (`streamspec.decoding.lookup.PromptLookup`;
-            streamed models, uncompiled, without pruning), looked up in the whole sequence.
+            streamed models, without pruning), looked up in the whole sequence.
         verify: where a pass decides what it accepts (``auto``, ``device``, ``host``; see
             `streamspec.decoding.generate`).
         tree_budget: grow each pass's tree by confidence up to this many nodes (see

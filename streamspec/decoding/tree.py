@@ -239,3 +239,35 @@ def tree_from_parents(parent: list[int], depth_limit: int, top_k: tuple[int, ...
         rank=torch.zeros(n, dtype=torch.long),
         ancestors=torch.tensor(rows, dtype=torch.bool).view(n, n),
     )
+
+
+def padded_tree(parent: list[int], size: int, depth_limit: int, top_k: tuple[int, ...]) -> DraftTree:
+    """A host-built tree (each node's parent, parents before children) padded to `size` nodes
+    with a static `depth_limit`, so that trees of any shape within those bounds run through one
+    compiled pass (`streamspec.decoding.compiled`). A padding node is a second root: depth 0, no
+    parent, it sees only the cached prefix and itself and no real node sees it, so it is never on
+    the accepted path (the deepest accepted node is the first of its depth, and node 0 comes
+    before every padding node). On the CPU."""
+    n = len(parent)
+    if n > size:
+        raise ValueError(f"a tree of {n} nodes does not fit a pass padded to {size}")
+    depth = [0] * size
+    rows = [[False] * size for _ in range(size)]
+    for node in range(n):
+        up = parent[node]
+        if up >= 0:
+            rows[node][:n] = rows[up][:n]
+            depth[node] = depth[up] + 1
+        rows[node][node] = True
+    for node in range(n, size):
+        rows[node][node] = True
+    if max(depth) > depth_limit:
+        raise ValueError(f"a tree {max(depth)} deep does not fit a pass with depth_limit={depth_limit}")
+    return DraftTree(
+        top_k=top_k,
+        depth_limit=depth_limit,
+        parent=torch.tensor([-1] + list(parent[1:n]) + [-1] * (size - n)),
+        depth=torch.tensor(depth),
+        rank=torch.zeros(size, dtype=torch.long),
+        ancestors=torch.tensor(rows, dtype=torch.bool),
+    )

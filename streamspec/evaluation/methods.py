@@ -107,11 +107,10 @@ def hf_method(name: str, model, eos_token_id, **generate_kwargs) -> Callable:
 
 def row_config(base: DecodeConfig | None = None, **options) -> DecodeConfig:
     """A row's decode options: `base` (what the command gives every row: verify, compile) with the
-    row's own. A row whose tree is built on the host (lookup branches, a confidence budget) or
-    pruned cannot be compiled: it runs uncompiled (its summary entry says so)."""
+    row's own. A pruned row cannot be compiled: it runs uncompiled (its summary entry says so);
+    trees built on the host (lookup branches, a confidence budget) compile padded."""
     base = base or DecodeConfig()
-    if (base.compile_backend is not None or base.compile == "auto") and any(options.get(k) is not None for k in ("lookup", "tree_budget",
-                                                                                   "prune_threshold")):
+    if (base.compile_backend is not None or base.compile == "auto") and options.get("prune_threshold") is not None:
         base = base.replace(compile=False)
     return base.replace(**options)
 

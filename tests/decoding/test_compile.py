@@ -110,6 +110,86 @@ def test_one_token_per_pass_compiled_equals_uncompiled(models, arch, backend, ca
     assert sampled.tokens.tolist() == generate(model, ids, 16, speculative=False, **sampler).tokens.tolist()
 
 
+def _repetitive_ids(seed: int, length: int = 24):
+    """A prompt that repeats itself, so that lookup branches are found (and accepted) often."""
+    part = random_ids(1, 6, seed=seed)
+    return torch.cat([part] * (length // 6), dim=1)
+
+
+@pytest.mark.parametrize("arch, options, backend", [
+    ("llama", dict(tree_top_k=(2, 1, 1), lookup="6,2"), "inductor"),
+    ("gpt2", dict(tree_top_k=(2, 1, 1), lookup="6,2"), "aot_eager"),
+    ("llama", dict(tree_top_k=1, lookup="8,1,2"), "aot_eager"),
+    ("gpt2", dict(tree_top_k=3, tree_budget=6), "aot_eager"),
+    ("llama", dict(tree_top_k=2, tree_budget=5, lookup="4,2"), "aot_eager"),
+])
+def test_host_built_trees_compiled_equal_uncompiled(models, arch, options, backend, capfd):
+    """Lookup branches and confidence-grown trees compile too: each pass's tree padded to one of
+    a few sizes, every size's graph compiled before the first pass (announced), the same tokens
+    and accepted lengths as the uncompiled loop, and no graph more for another prompt."""
+    from streamspec.decoding.compiled import host_tree_sizes
+    from streamspec.decoding.config import DecodeConfig
+    from streamspec.decoding.lookup import PromptLookup
+    from streamspec.decoding.loop import _lookup_nodes, _tree
+
+    model = models[arch]
+    options = dict(options)
+    if "lookup" in options:
+        options["lookup"] = PromptLookup.parse(options["lookup"])
+    compile = True if backend == "inductor" else backend
+    ids = _repetitive_ids(seed=5)
+    expected = generate(model, ids, 30, **options)
+    capfd.readouterr()
+    before = _graphs()
+    out = generate(model, ids, 30, compile=compile, **options)
+    err = capfd.readouterr().err
+    assert out.tokens.tolist() == expected.tokens.tolist() == generate_autoregressive(model, ids, 30).tolist()
+    assert out.accepted_per_pass == expected.accepted_per_pass
+    if "lookup" in options:
+        assert max(expected.accepted_per_pass) > 1 + model.num_drafts, "a lookup branch deeper than the streams must be accepted"
+    shape = DecodeConfig(tree_top_k=options["tree_top_k"]).shape(model.num_drafts)
+    stream_nodes = min(options.get("tree_budget") or 10 ** 6, _tree(shape).size)
+    lookup = options.get("lookup")
+    sizes = host_tree_sizes(stream_nodes, lookup, _lookup_nodes(stream_nodes, lookup) if lookup else stream_nodes)
+    assert {n for n, _ in out.nodes_per_pass} <= set(sizes)  # every pass ran at one of the padded sizes
+    assert _graphs() - before <= len(sizes) and err.count("compiling the decode step (trees of up to") <= len(sizes)
+    other = _repetitive_ids(seed=6, length=18)
+    again = _graphs()
+    assert generate(model, other, 20, compile=compile, **options).tokens.tolist() == \
+        generate(model, other, 20, **options).tokens.tolist()
+    assert _graphs() == again, "every size was compiled with the first generation"
+
+
+def test_host_built_trees_compiled_with_seeded_sampling(models):
+    from streamspec.decoding.lookup import PromptLookup
+
+    model = models["gpt2"]
+    ids = _repetitive_ids(seed=7)
+    kwargs = dict(tree_top_k=(2, 1, 1), lookup=PromptLookup(6, 2), temperature=0.8, top_k=30, seed=3)
+    assert generate(model, ids, 24, compile="aot_eager", **kwargs).tokens.tolist() == \
+        generate(model, ids, 24, **kwargs).tokens.tolist()
+
+
+def test_padded_trees_are_never_accepted_past_their_nodes():
+    from streamspec.decoding.tree import accepted_nodes, deepest_path, padded_tree
+
+    tree = padded_tree([-1, 0, 1, 0], 7, 4, (2, 1))
+    assert tree.size == 7 and tree.depth.tolist() == [0, 1, 2, 1, 0, 0, 0]
+    assert tree.ancestors[2].tolist() == [True, True, True, False, False, False, False]
+    assert tree.ancestors[:4, 4:].any().item() is False and tree.ancestors[5].tolist() == [False] * 5 + [True, False]
+    tokens = torch.tensor([9, 1, 2, 3, 9, 9, 9])
+    nothing = torch.tensor([5] * 7)  # the main stream agrees with no draft: only the root is accepted
+    best, path = deepest_path(tree, accepted_nodes(tree, tokens, nothing))
+    assert best.item() == 0 and path[0].item() == 0
+    chain = torch.tensor([1, 2, 7, 0, 0, 0, 0])  # root chooses 1, node 1 chooses 2: nodes 0-1-2 accepted
+    best, path = deepest_path(tree, accepted_nodes(tree, tokens, chain))
+    assert best.item() == 2 and path[:3].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="does not fit"):
+        padded_tree([-1, 0, 1], 2, 4, (1,))
+    with pytest.raises(ValueError, match="deep"):
+        padded_tree([-1, 0, 1, 2], 4, 2, (1,))
+
+
 def test_session_compiled_equals_uncompiled(models):
     model = models["gpt2"]
     ids = random_ids(1, 8, seed=4)[0].tolist()

@@ -33,7 +33,7 @@ def test_values_are_checked_when_made():
                        (dict(compile=True, prune_threshold=0.1), "prune_threshold=None"),
                        (dict(compile=True, verify="host"), "verify"),
                        (dict(lookup=PromptLookup(), prune_threshold=0.1), "lookup branches"),
-                       (dict(tree_budget=4, compile="eager"), "tree_budget")):
+                       (dict(tree_budget=4, prune_threshold=0.1), "tree_budget")):
         with pytest.raises(ValueError, match=match):
             DecodeConfig(**bad)
     with pytest.raises(TypeError, match="PromptLookup"):
@@ -115,10 +115,11 @@ def test_eval_takes_the_options_every_row_shares():
     assert {flag_of(f.name) for f in decode_fields() if f.name != "prune_threshold"} | {"--thresholds"} <= flags
     args = sub.parse_args(["--checkpoint", "x", "--verify", "host"])
     assert decode_config_from_args(args, only=EVAL_DECODE_FLAGS) == DecodeConfig(verify="host", compile="auto")
-    # a compiled command: rows built on the host or pruned run uncompiled, the rest compiled
+    # a compiled command: pruned rows run uncompiled, the rest (host-built trees too) compiled
     compiled = DecodeConfig(compile="eager")
     assert row_config(compiled, tree_top_k=2).compile == "eager"
-    assert row_config(compiled, tree_top_k=2, lookup=PromptLookup()).compile is False
+    assert row_config(compiled, tree_top_k=2, lookup=PromptLookup()).compile == "eager"
+    assert row_config(compiled, tree_budget=6).compile == "eager"
     assert row_config(compiled, prune_threshold=0.1).compile is False
     assert streaming_method(_model(), 0, compiled, speculative=False).config.compile == "eager"  # streamed_ar too
 
@@ -134,13 +135,16 @@ def test_compile_auto_follows_the_rule_where_a_compiled_pass_can_run():
     assert DecodeConfig(compile="auto").resolved(model).compile is False
     bf16 = _model().to(torch.bfloat16)
     assert DecodeConfig(compile="auto").resolved(bf16).compile is True
-    for blocked in (dict(lookup=PromptLookup()), dict(tree_budget=5), dict(prune_threshold=0.1), dict(verify="host")):
+    for blocked in (dict(prune_threshold=0.1), dict(verify="host")):
         assert DecodeConfig(compile="auto", **blocked).resolved(bf16).compile is False, blocked
+    for host_tree in (dict(lookup=PromptLookup()), dict(tree_budget=5)):  # padded to fixed sizes: compiled
+        assert DecodeConfig(compile="auto", **host_tree).resolved(bf16).compile is True, host_tree
     assert DecodeConfig(compile="auto").resolved(bf16, batch=2).compile is False
     assert DecodeConfig(compile="auto").resolved(make_model("llama").to(torch.bfloat16)).compile is False  # no streams
     assert DecodeConfig(compile=True).resolved(model).compile is True  # only auto is decided
     assert streaming_method(model, 0, DecodeConfig(compile="auto")).config.compile is False
-    assert row_config(DecodeConfig(compile="auto"), lookup=PromptLookup()).compile is False
+    assert row_config(DecodeConfig(compile="auto"), lookup=PromptLookup()).compile == "auto"
+    assert row_config(DecodeConfig(compile="auto"), prune_threshold=0.1).compile is False
 
 
 def test_reason_takes_the_drafters_decode_options_from_the_same_fields(tiny_dir):
