@@ -190,12 +190,16 @@ def test_padded_trees_are_never_accepted_past_their_nodes():
         padded_tree([-1, 0, 1, 2], 4, 2, (1,))
 
 
-def test_session_compiled_equals_uncompiled(models):
+@pytest.mark.parametrize("lookup", [None, "6,2"])
+def test_session_compiled_equals_uncompiled(models, lookup):
+    from streamspec.decoding.lookup import PromptLookup
+
     model = models["gpt2"]
-    ids = random_ids(1, 8, seed=4)[0].tolist()
+    ids = (_repetitive_ids(seed=4, length=12) if lookup else random_ids(1, 8, seed=4))[0].tolist()
     results = []
     for compile in (False, "aot_eager"):
-        session = DecodingSession(model, tree_top_k=(2, 1, 1), compile=compile)
+        session = DecodingSession(model, tree_top_k=(2, 1, 1), compile=compile,
+                                  lookup=PromptLookup.parse(lookup) if lookup else None)
         session.extend(ids)
         first = session.generate(6).tokens
         session.extend([5, 6, 7])
