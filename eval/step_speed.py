@@ -8,6 +8,7 @@ machine's limit"). Each configuration decodes a few tokens of the first prompt u
 compile time is paid (and reported) before the timed prompts.
 
     OMP_NUM_THREADS=1 python eval/step_speed.py --checkpoint streamspec:smollm2-135m-sql-streams --limit 5
+    OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes bfloat16 --lookup 8,1,3 --limit 5   # lookup trees compiled
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from streamspec.devices import cpu_model
 from streamspec.data.build import prompt_ids
 from streamspec.data.tasks import task_rows
 from streamspec.decoding import DecodeConfig, generate
+from streamspec.decoding.lookup import PromptLookup
 from streamspec.loading import load_for_inference
 
 
@@ -32,13 +34,20 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tree-top-k", default="2,1,1")
+    parser.add_argument("--lookup", default=None, metavar="L,M[,N]",
+                        help="also the tree with these prompt-lookup branches, eager and compiled")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32 packed"],
+                        choices=["float32", "bfloat16", "float32 packed"],
+                        help="which models to run (the reference for agreement is float32 one token when run)")
     parser.add_argument("--out", default=None, help="a JSON file for the figures")
     args = parser.parse_args()
     tree = tuple(int(x) for x in args.tree_top_k.split(","))
-    models = {dtype: load_for_inference(args.checkpoint, dtype=dtype, cpu_kernels=False) for dtype in ("float32", "bfloat16")}
-    # what streamspec runs by default on a CPU in float32: the packed oneDNN kernels (eager only)
-    models["float32 packed"] = load_for_inference(args.checkpoint, dtype="float32")
-    tokenizer = models["float32"].tokenizer
+    lookup = PromptLookup.parse(args.lookup) if args.lookup else None
+    models = {dtype: load_for_inference(args.checkpoint, dtype=dtype, cpu_kernels=False)
+              for dtype in ("float32", "bfloat16") if dtype in args.dtypes}
+    if "float32 packed" in args.dtypes:  # what streamspec runs by default on a CPU in float32: the packed oneDNN kernels (eager only)
+        models["float32 packed"] = load_for_inference(args.checkpoint, dtype="float32")
+    tokenizer = next(iter(models.values())).tokenizer
     eos = tokenizer.eos_token_id
     rows = task_rows(args.task, "test")[: args.limit]
     configs = {}
@@ -47,6 +56,9 @@ def main() -> None:
             configs[f"{dtype} one token{' compiled' if compiled else ''}"] = (dtype, False, DecodeConfig(compile=compiled))
             configs[f"{dtype} tree {args.tree_top_k}{' compiled' if compiled else ''}"] = (
                 dtype, True, DecodeConfig(tree_top_k=tree, compile=compiled))
+            if lookup is not None:
+                configs[f"{dtype} tree {args.tree_top_k} + lookup {args.lookup}{' compiled' if compiled else ''}"] = (
+                    dtype, True, DecodeConfig(tree_top_k=tree, lookup=lookup, compile=compiled))
     first = prompt_ids(tokenizer, rows[0])
     warm = {}
     for name, (dtype, speculative, config) in configs.items():
@@ -64,10 +76,10 @@ def main() -> None:
             steps[name][1] += out.forward_passes - 1
             steps[name][2] += out.tokens.shape[1]
             outputs[name].append(out.tokens[0].tolist())
-    reference = outputs["float32 one token"]
+    reference = outputs.get("float32 one token") or outputs[next(iter(outputs))]
     result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "prompts": len(rows), "rows": {}}
     print(f"{result['cpu']}, {result['threads']} thread(s), {len(rows)} prompts, {args.max_new_tokens} new tokens")
-    print("| configuration | ms per decoding step | tokens per pass | tokens/s (steps) | identical to fp32 one token | first call s |")
+    print(f"| configuration | ms per decoding step | tokens per pass | tokens/s (steps) | identical to {'fp32 one token' if 'float32 one token' in outputs else next(iter(outputs))} | first call s |")
     print("|---|---|---|---|---|---|")
     for name, (seconds, n, tokens) in steps.items():
         same = sum(a == b for a, b in zip(outputs[name], reference))
