@@ -23,7 +23,7 @@ import torch
 from ..patch.model import StreamedModel
 from .cache import StaticCacheView
 from .config import DecodeConfig
-from .output import _within_limits, commit_pass, read_to_host, record_pass
+from .output import _within_limits, commit_pass, pack_host_read, read_to_host, record_pass, split_host_read
 from .sampling import Sampler
 from .tree import DraftTree, padded_tree
 from .verify import verify_on_device as _verify
@@ -103,8 +103,7 @@ def _host_tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list
     main, streams = model.step(tokens[None], positions, main_ok, slots, cache)
     verified = _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key,
                        draft_depth=draft_depth, with_scores=with_scores)
-    parts = [verified[1].double(), verified[3].flatten().double()] + ([verified[4].flatten().double()] if with_scores else [])
-    return verified[0], torch.cat(parts)
+    return verified[0], pack_host_read(verified[1], verified[3], verified[4] if with_scores else None)
 
 
 @lru_cache(maxsize=None)
@@ -173,12 +172,8 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
             path, flat = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), tokens,
                               tree, sampler, key, width, draft_depth, with_scores)
             forward_done = clock()
-            values = read_to_host(flat)
-            summary, rest = [int(v) for v in values[:summary_length]], values[summary_length:]
-            host_candidates = [[int(v) for v in rest[d * width : (d + 1) * width]] for d in range(draft_depth)]
-            if with_scores:
-                rest = rest[draft_depth * width :]
-                host_scores = [rest[d * width : (d + 1) * width] for d in range(draft_depth)]
+            summary, host_candidates, host_scores = split_host_read(read_to_host(flat), summary_length, width,
+                                                                    draft_depth, with_scores)
             new = summary[1 : summary[0] + 2]
             head_done = clock()
             past, ended = commit_pass(cache, past, new, ((path, None),), generated, max_new_tokens, stop, on_tokens)

@@ -18,7 +18,8 @@ from .compiled import _CAPACITY_STEP, _compile_backend, speculate_compiled as _s
 from .compiled import speculate_compiled_host as _speculate_compiled_host
 from .config import DecodeConfig
 from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost
-from .output import GenerateOutput, _within_limits, commit_pass, read_to_host, record_pass, stop_set
+from .output import (GenerateOutput, _within_limits, commit_pass, pack_host_read, read_to_host, record_pass,
+                     split_host_read, stop_set)
 from .sampling import Sampler
 from .tree import DraftTree, build_tree, children_of, prune_by_transition, tree_from_parents
 from .verify import verify_on_device as _verify, walk_on_host as _walk
@@ -236,13 +237,11 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
             if not host_tree:
                 summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
             else:  # ... and the next candidates (and scores) to build the next tree from: still one read
-                parts = [accepted.double(), candidates.flatten().double()] + ([scores.flatten().double()] if scores is not None else [])
-                flat = read_to_host(torch.cat(parts))
-                summary, rest = [int(v) for v in flat[: len(accepted)]], flat[len(accepted):]
-                host_candidates = [[int(v) for v in rest[d * width : (d + 1) * width]] for d in range(depth_limit)]
+                summary, host_candidates, next_scores = split_host_read(
+                    read_to_host(pack_host_read(accepted, candidates, scores)), len(accepted), width, depth_limit,
+                    scores is not None)
                 if scores is not None:
-                    rest = rest[depth_limit * width :]
-                    host_scores = [rest[d * width : (d + 1) * width] for d in range(depth_limit)]
+                    host_scores = next_scores
             new = summary[1 : summary[0] + 2]
         head_done = clock()
         # commit: the accepted path's entries (lower layers: of the nodes kept by pruning), the tokens

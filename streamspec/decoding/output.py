@@ -15,6 +15,27 @@ def read_to_host(values: torch.Tensor) -> list:
     return values.tolist()
 
 
+def pack_host_read(summary: torch.Tensor, candidates: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """A pass's one read when the host builds the next tree: the verify summary [D+2], the next
+    candidates [depth, width] and, for a confidence budget, their scores, flat in one vector."""
+    parts = [summary.double(), candidates.flatten().double()]
+    if scores is not None:
+        parts.append(scores.flatten().double())
+    return torch.cat(parts)
+
+
+def split_host_read(values: list, summary_length: int, width: int, depth: int, with_scores: bool):
+    """`pack_host_read`'s vector, read on the host, back into the summary (ints), the candidates
+    (``[depth][width]`` ints) and the scores (``[depth][width]`` floats, or None)."""
+    summary, rest = [int(v) for v in values[:summary_length]], values[summary_length:]
+    candidates = [[int(v) for v in rest[d * width : (d + 1) * width]] for d in range(depth)]
+    scores = None
+    if with_scores:
+        rest = rest[depth * width :]
+        scores = [rest[d * width : (d + 1) * width] for d in range(depth)]
+    return summary, candidates, scores
+
+
 def stop_set(eos_token_id: int | list[int] | None) -> set[int]:
     """The token ids that end a text: one id, a list of them, or none."""
     return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])

@@ -85,7 +85,7 @@ def test_bad_budgets_are_refused(streamed):
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="tree_budget"):
             generate(streamed, ids, 4, tree_budget=bad)
-    for kwargs in (dict(prune_threshold=0.1), dict(speculative=False), dict(compile="eager")):
+    for kwargs in (dict(prune_threshold=0.1), dict(speculative=False)):  # compiled, they run padded
         with pytest.raises(ValueError, match="tree_budget"):
             generate(streamed, ids, 4, tree_budget=4, **kwargs)
     with pytest.raises(ValueError):

@@ -133,7 +133,7 @@ def test_bad_lookups_are_refused(looping):
     assert PromptLookup.parse("4,2") == PromptLookup(4, 2)
     with pytest.raises(TypeError, match="PromptLookup"):
         generate(looping, ids, 4, lookup=(4, 2))
-    for kwargs in (dict(prune_threshold=0.1), dict(speculative=False), dict(compile="eager")):
+    for kwargs in (dict(prune_threshold=0.1), dict(speculative=False)):  # compiled, they run padded
         with pytest.raises(ValueError, match="lookup branches"):
             generate(looping, ids, 4, lookup=PromptLookup(), **kwargs)
     with pytest.raises(ValueError, match="lookup branches"):
