@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job: streams on the default model, a short fine-tune, the benchmark")
     demo.add_argument("--example", type=int, default=0, help="index of the Spider dev question to show")
-    demo.add_argument("--steps", type=int, default=30, help="fine-tuning steps (batch 4)")
+    demo.add_argument("--steps", type=int, default=12, help="fine-tuning steps (batch 4)")
     demo.add_argument("--limit", type=int, default=8, help="held-out questions to benchmark")
     demo.add_argument("--out", default="runs/demo", help="folder for the checkpoint and the benchmark files")
     demo.add_argument("--intro-only", action="store_true", help="only show the streams on the default model")
