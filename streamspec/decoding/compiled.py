@@ -218,7 +218,7 @@ def _autoregressive_compiled(model, input_ids, max_new_tokens, stop: set[int], s
 
     device = input_ids.device
     cache = MainStreamCache(len(model.layers))
-    cache.reserve(-(-(input_ids.shape[1] + max_new_tokens) // _CAPACITY_STEP) * _CAPACITY_STEP)
+    cache.reserve(compiled_capacity(input_ids.shape[1] + max_new_tokens))
     out = GenerateOutput(tokens=input_ids.new_zeros(1, 0), forward_passes=0)
     step = _compiled_token_pass(backend)
     key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
@@ -287,6 +287,17 @@ def _graph_key(model, what, capacity, sampler, backend):
 
 
 _CAPACITY_STEP = 256  # compiled passes attend over buffers of a multiple of this many entries
+# Entries every compiled generation reserves beyond its text, whatever its tree (one token a pass
+# too): methods whose pass rows (nodes × (1 + streams)) fit in it share one cache size for a
+# prompt, so a warm-up prompt of each size compiles what every such method needs.
+COMPILED_ROOM = 128
+
+
+def compiled_capacity(text_entries: int, pass_rows: int = 0) -> int:
+    """The cache capacity a compiled generation reserves: the text (prompt and new tokens) and
+    `pass_rows` (at least `COMPILED_ROOM`), in multiples of `_CAPACITY_STEP`."""
+    needed = text_entries + max(pass_rows, COMPILED_ROOM)
+    return -(-needed // _CAPACITY_STEP) * _CAPACITY_STEP
 
 
 @lru_cache(maxsize=None)

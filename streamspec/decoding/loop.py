@@ -14,7 +14,7 @@ import torch
 from ..patch.layout import causal, main_allowed
 from ..patch.model import StreamedModel
 from .cache import MainStreamCache
-from .compiled import _CAPACITY_STEP, _compile_backend, speculate_compiled as _speculate_compiled
+from .compiled import _compile_backend, compiled_capacity, speculate_compiled as _speculate_compiled
 from .compiled import speculate_compiled_host as _speculate_compiled_host
 from .config import DecodeConfig
 from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost
@@ -129,10 +129,11 @@ def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: 
     stream_nodes = tree.size if tree_budget is None else min(tree_budget, tree.size)
     most_nodes = stream_nodes if lookup is None else _lookup_nodes(stream_nodes, lookup)
     host_tree = lookup is not None or tree_budget is not None
-    needed = past + new_ids.shape[1] + max_new_tokens + most_nodes * (1 + model.num_drafts)
+    rows = most_nodes * (1 + model.num_drafts)
+    needed = past + new_ids.shape[1] + max_new_tokens + rows
     if backend is not None:
         DecodeConfig(compile=backend, prune_threshold=prune_threshold)  # refuses pruning with compile
-        needed = -(-needed // _CAPACITY_STEP) * _CAPACITY_STEP  # few distinct capacities: few compilations
+        needed = compiled_capacity(past + new_ids.shape[1] + max_new_tokens, rows)  # few capacities: few compilations
     cache.reserve(needed)
 
     # Prefill: streams at the last new position give the root and the first draft, from one

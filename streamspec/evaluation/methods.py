@@ -168,19 +168,20 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
     return results
 
 
-WARM_UP_BUCKET = 256  # compiled passes size their cache in multiples of this (streamspec.decoding.compiled)
-_TREE_ROOM = 32  # cache entries a compiled tree pass reserves beyond the text (nodes × (1 + streams))
 
 
 def _warm_up_prompts(tokenizer, rows: list[dict], max_new_tokens: int) -> list[torch.Tensor]:
     """The untimed warm-up's prompts: the first, then the first of each further cache size the run
-    will need (prompt, new tokens and a tree's rows, in multiples of `WARM_UP_BUCKET`): a
-    compiled pass compiles once per cache size, and this way every size is met before the timed
-    prompts (a tree far larger than `_TREE_ROOM` rows may still meet a new one, announced on stderr)."""
+    will need (`streamspec.decoding.compiled.compiled_capacity`: the same for every method whose
+    pass fits in its room): a compiled pass compiles once per cache size, and this way every size
+    is met before the timed prompts (a tree of more rows than `COMPILED_ROOM` may still meet a
+    new one, announced on stderr)."""
+    from ..decoding.compiled import compiled_capacity
+
     chosen, seen = [], set()
     for row in rows:
         ids = prompt_ids(tokenizer, row)
-        bucket = -(-(ids.shape[1] + max_new_tokens + _TREE_ROOM) // WARM_UP_BUCKET)
+        bucket = compiled_capacity(ids.shape[1] + max_new_tokens)
         if bucket not in seen:
             seen.add(bucket)
             chosen.append(ids)

@@ -249,3 +249,24 @@ def test_a_late_failure_keeps_what_was_measured(tiny_dir, tmp_path, monkeypatch)
     assert partial["prompts_done"] == partial["prompts"] == 2
     assert {"baseline", "chain", "tree"} <= set(partial["methods"])
     assert {"baseline", "chain", "tree"} <= set(json.loads((out / "benchmark.json").read_text())["methods"])
+
+
+def test_the_warm_up_meets_every_cache_size_each_compiled_method_needs():
+    """Every method whose pass fits in `COMPILED_ROOM` rows (one token, chain, trees, lookup trees
+    of the usual sizes) reserves the same compiled cache size for a prompt, so the warm-up's one
+    prompt per size meets every size any of them meets on the timed prompts."""
+    from streamspec.assets import load_default_tokenizer
+    from streamspec.data.build import prompt_ids
+    from streamspec.data.tasks import task_rows
+    from streamspec.decoding.compiled import COMPILED_ROOM, compiled_capacity
+    from streamspec.evaluation.methods import _warm_up_prompts
+
+    tokenizer = load_default_tokenizer()
+    rows = task_rows("sql", "test")[:60]
+    lengths = [prompt_ids(tokenizer, row).shape[1] for row in rows]
+    warmed = {ids.shape[1] for ids in _warm_up_prompts(tokenizer, rows, 96)}
+    for pass_rows in (0, 16, 28, 60, COMPILED_ROOM):  # one token, chain, (2,1,1), (2,1,1) + 8-token branch
+        needed = {compiled_capacity(n + 96, pass_rows) for n in lengths}
+        assert needed == {compiled_capacity(n + 96, pass_rows) for n in warmed}, pass_rows
+    assert len(needed) > 1, "the prompts must span more than one cache size for this test to mean anything"
+    assert compiled_capacity(300, COMPILED_ROOM + 200) > compiled_capacity(300)  # a larger tree gets its own
