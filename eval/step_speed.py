@@ -4,8 +4,8 @@ left out) of one token per pass and of a draft tree, tokens per pass, and bf16's
 with float32 (share of identical outputs, and the first position where they part).
 
 What `--compile auto` and `--dtype auto` are decided on (docs/benchmarks.md, "The step at the
-machine's limit"). Each configuration decodes a few tokens of the first prompt untimed first, so
-compile time is paid (and reported) before the timed prompts.
+machine's limit"). Each configuration first decodes, untimed, one prompt of each compiled cache size
+the timed prompts meet, so compile time is paid (and reported) before them.
 
     OMP_NUM_THREADS=1 python eval/step_speed.py --checkpoint streamspec:smollm2-135m-sql-streams --limit 5
     OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes bfloat16 --lookup 8,1,3 --limit 5   # lookup trees compiled
@@ -23,6 +23,7 @@ from streamspec.devices import cpu_model
 from streamspec.data.build import prompt_ids
 from streamspec.data.tasks import task_rows
 from streamspec.decoding import DecodeConfig, generate
+from streamspec.decoding.compiled import compiled_capacity
 from streamspec.decoding.lookup import PromptLookup
 from streamspec.loading import load_for_inference
 
@@ -59,11 +60,19 @@ def main() -> None:
             if lookup is not None:
                 configs[f"{dtype} tree {args.tree_top_k} + lookup {args.lookup}{' compiled' if compiled else ''}"] = (
                     dtype, True, DecodeConfig(tree_top_k=tree, lookup=lookup, compile=compiled))
-    first = prompt_ids(tokenizer, rows[0])
+    # one untimed prompt of each compiled cache size the timed prompts meet (compile paid here)
+    sizes, warm_prompts = set(), []
+    for row in rows:
+        ids = prompt_ids(tokenizer, row)
+        if compiled_capacity(ids.shape[1] + args.max_new_tokens) not in sizes:
+            sizes.add(compiled_capacity(ids.shape[1] + args.max_new_tokens))
+            warm_prompts.append(ids)
     warm = {}
     for name, (dtype, speculative, config) in configs.items():
         start = time.perf_counter()
-        generate(models[dtype].model, first, 4, eos_token_id=eos, speculative=speculative, config=config)
+        for ids in warm_prompts:
+            generate(models[dtype].model, ids, args.max_new_tokens, eos_token_id=eos, speculative=speculative,
+                     config=config)
         warm[name] = round(time.perf_counter() - start, 1)
     steps = {name: [0.0, 0, 0] for name in configs}  # seconds of decoding steps, steps, tokens
     outputs = {name: [] for name in configs}
