@@ -131,7 +131,8 @@ def run_demo(
 
         folder = shipped_streams_path()
         print(f"\n[3/3] the shipped streams ({folder.name}: self-distilled lossless streams for SmolLM2, trained by "
-              "recipes/smollm2-135m/sql_streams_offline_r64.yaml) on the same questions; the base model's outputs, "
+              "recipes/smollm2-135m/sql_streams_offline_r64.yaml, then sql_streams_offline_wide.yaml) on the same "
+              "questions; the base model's outputs, "
               "token for token ...")
         shipped = run_benchmark(str(folder), task="sql", limit=limit, tree_top_k=SHIPPED_TREE, thresholds=(),
                                 lookup=DEFAULT_LOOKUP, tree_budget=DEFAULT_BUDGET, max_new_tokens=max_new_tokens,
