@@ -121,6 +121,15 @@ def host_tree_sizes(stream_nodes: int, lookup, most_nodes: int) -> list[int]:
     return sorted({min(stream_nodes + k * lookup.tokens, most_nodes) for k in range(lookup.matches + 1)} | {most_nodes})
 
 
+@lru_cache(maxsize=512)
+def _padded_tree_on(parents: tuple[int, ...], size: int, depth_limit: int, shape: tuple[int, ...],
+                    device: torch.device) -> DraftTree:
+    """`padded_tree` on `device`, built once per shape: most passes repeat a few shapes (the
+    stream tree alone when no branch is found), so they reuse its tensors instead of building
+    and copying them again. The tensors are only read by the pass."""
+    return padded_tree(list(parents), size, depth_limit, shape).to(device)
+
+
 def _speculate_compiled_host(model, cache, past, generated, ended, max_new_tokens, sampler, shape, stream_tree,
                              host_candidates, host_scores, tree_budget, lookup, text, most_nodes, width, stop,
                              on_tokens, clock, backend, out, new_ids):
@@ -155,7 +164,7 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
             with _CompileNotice(graph_of(size), f"trees of up to {size} nodes, cache of {capacity}"):
                 step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device),
                      torch.full((size,), generated[-1], dtype=new_ids.dtype, device=device),
-                     padded_tree([-1], size, depth_limit, shape).to(device), sampler, key, width, draft_depth,
+                     _padded_tree_on((-1,), size, depth_limit, shape, device), sampler, key, width, draft_depth,
                      with_scores)
         while len(generated) < max_new_tokens and not ended:
             start = clock()
@@ -164,7 +173,7 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
             parents, host_tokens = base.with_branches(generated[-1], host_candidates, branches,
                                                       lookup.budget if lookup is not None else None)
             size = next(s for s in sizes if s >= len(parents))
-            tree = padded_tree(parents, size, depth_limit, shape).to(device)
+            tree = _padded_tree_on(tuple(parents), size, depth_limit, shape, device)
             tokens = torch.tensor(host_tokens + host_tokens[:1] * (size - len(parents)), dtype=new_ids.dtype,
                                   device=device)
             if past + size > capacity:  # pragma: no cover - the capacity was reserved for this
