@@ -28,6 +28,7 @@ packed again at its next call; a change through ``.data`` is not seen (see `pack
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -46,23 +47,42 @@ def cpu_kernels_available() -> bool:
     )
 
 
+def _packable() -> tuple[torch.dtype, ...]:
+    if not cpu_kernels_available():
+        return ()
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
+_PACKABLE = _packable()  # decided once: a compiled graph reads it as a constant
+
+
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes `pack_linear_layers` packs on this machine: float32, and bfloat16 where oneDNN
+    has native bf16 kernels (CPUs with AVX-512 BF16 or AMX; elsewhere oneDNN would emulate it)."""
+    return _PACKABLE
+
+
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` whose no-grad fp32 CPU calls go to oneDNN with a packed weight. Made only by
-    `pack_linear_layers` (it changes the class of existing layers; parameters, state dict and
-    saving are untouched)."""
+    """An `nn.Linear` whose no-grad float32/bfloat16 CPU calls go to oneDNN with a packed weight.
+    Made only by `pack_linear_layers` (it changes the class of existing layers; parameters, state
+    dict and saving are untouched). Inside a compiled graph the call is the ``streamspec::packed_linear``
+    operator (opaque to the compiler, the same kernel), so compiled decoding steps get it too."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if (
             x.device.type != "cpu"
             or w.device.type != "cpu"
-            or x.dtype != torch.float32
-            or w.dtype != torch.float32
+            or x.dtype != w.dtype
+            or w.dtype not in _PACKABLE
+            or (b is not None and b.dtype != w.dtype)
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
             or torch.is_autocast_enabled("cpu")
-            or torch.compiler.is_compiling()  # a compiled graph chooses its own kernels (the packed
-        ):                                    # weight's cache key reads a storage address)
+        ):
             return F.linear(x, w, b)
+        if torch.compiler.is_compiling():
+            return torch.ops.streamspec.packed_linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, _packed(self), b, "none", [], "")
 
     def __getstate__(self):
@@ -71,6 +91,11 @@ class PackedLinear(nn.Linear):
         state = self.__dict__.copy()
         state.pop("_streamspec_packed", None)
         return state
+
+
+# Packed weights by the address of the weight they pack, for the compiled operator (which sees
+# the weight tensor, not its layer): (the weight, weakly; its version when packed; the pack).
+_PACKS: dict[int, tuple] = {}
 
 
 def _packed(layer: nn.Linear) -> torch.Tensor:
@@ -83,13 +108,54 @@ def _packed(layer: nn.Linear) -> torch.Tensor:
     if cached is None or cached[0] != key:
         cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT))
         layer.__dict__["_streamspec_packed"] = cached  # a plain attribute: not a parameter or buffer
+        _register_pack(w, cached[1])
     return cached[1]
 
 
+def _register_pack(weight: torch.Tensor, packed: torch.Tensor) -> None:
+    ptr = weight.data_ptr()
+    _PACKS[ptr] = (weakref.ref(weight), weight._version, packed)
+    weakref.finalize(weight, _drop_pack, ptr)  # the pack goes with its weight
+
+
+def _drop_pack(ptr: int) -> None:
+    entry = _PACKS.get(ptr)
+    if entry is not None and entry[0]() is None:
+        del _PACKS[ptr]
+
+
+def _pack_of(weight: torch.Tensor) -> torch.Tensor:
+    """The packed form of `weight` for the compiled operator: the one its layer packed when that
+    weight is alive at this address, unchanged since (same version, shape and dtype); else packed
+    now (and kept while the tensor lives)."""
+    entry = _PACKS.get(weight.data_ptr())
+    if entry is not None:
+        owner = entry[0]()
+        if (owner is not None and owner.data_ptr() == weight.data_ptr() and owner._version == entry[1]
+                and owner.shape == weight.shape and owner.dtype == weight.dtype):
+            return entry[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
+    _register_pack(weight, packed)
+    return packed
+
+
+@torch.library.custom_op("streamspec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through oneDNN with `weight` packed once (the operator compiled
+    graphs call for `PackedLinear`; float32 or bfloat16 on a CPU)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _pack_of(weight), bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def pack_linear_layers(model: nn.Module) -> int:
-    """Switch every fp32 CPU `nn.Linear` of `model` to `PackedLinear` and pack its weight now (so
-    the first timed call does not pay for it). Layers on another device or in another dtype, and
-    subclasses of `nn.Linear`, are left as they are. Returns how many layers were switched
+    """Switch every CPU `nn.Linear` of `model` in a dtype of `packed_dtypes` (float32, and bfloat16
+    on CPUs with native bf16) to `PackedLinear` and pack its weight now (so the first timed call
+    does not pay for it). Layers on another device or in another dtype, and subclasses of
+    `nn.Linear`, are left as they are. Returns how many layers were switched
     (0 when none qualify). Undo with `unpack_linear_layers`.
 
     Pack after the weights are final (loaded, LoRA merged). A weight changed in place through
@@ -100,9 +166,11 @@ def pack_linear_layers(model: nn.Module) -> int:
     """
     if not cpu_kernels_available():
         raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn); keep the default kernels")
+    dtypes = packed_dtypes()
     count = 0
     for module in model.modules():
-        if type(module) in (nn.Linear, PackedLinear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+        if (type(module) in (nn.Linear, PackedLinear) and module.weight.device.type == "cpu"
+                and module.weight.dtype in dtypes):
             module.__class__ = PackedLinear
             module.__dict__.pop("_streamspec_packed", None)  # packing again picks up any change
             _packed(module)
@@ -139,3 +207,97 @@ def default_linear_kernels(model: nn.Module):
     finally:
         for layer in layers:
             layer.__class__ = PackedLinear
+
+
+# -- attention for decoding passes ----------------------------------------------------------------
+#: The transformers attention implementation `use_decode_attention` switches a model to.
+DECODE_ATTENTION = "streamspec_sdpa"
+#: Passes of at most this many query rows (one token, a draft tree) take the grouped path.
+DECODE_ATTENTION_MAX_QUERIES = 32
+
+
+def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             is_causal: bool | None = None, **kwargs):
+    """transformers' ``sdpa`` attention, except for a decoding pass on a CPU: a few query rows
+    against a long cache. There torch's CPU flash kernel costs ~0.9 ms a layer in bfloat16
+    (SmolLM2-135M, one query, 768 cached keys, one thread of this project's AMD EPYC), mostly
+    spent on the grouped heads' keys and values copied out per query head and on blocks sized
+    for long queries; this path computes the same attention as two matrix products per key-value
+    head group (the query heads that share a key head stacked as rows, nothing copied) with the
+    scores and the softmax in float32 (as the flash kernel accumulates), ~0.15 ms. Same results
+    up to rounding in the order of the sums (in bfloat16 the error against float64 is the flash
+    kernel's). Anything else (longer queries, no mask for several rows, dropout, soft caps,
+    position biases, attention sinks, another device) goes to transformers' ``sdpa`` unchanged.
+    `query` [B, H, T, D]; `key`/`value` [B, KV, L, D]; returns [B, T, H, D] as ``sdpa`` does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = query.shape[2]
+    if (rows > DECODE_ATTENTION_MAX_QUERIES or query.device.type != "cpu" or dropout
+            or (attention_mask is None and rows > 1)
+            or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux", "sinks"))
+            or query.shape[1] % key.shape[1]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    batch, heads, _, dim = query.shape
+    groups, length = key.shape[1], key.shape[2]
+    per_group = heads // groups
+    scale = scaling if scaling is not None else dim ** -0.5
+    q = query.reshape(batch, groups, per_group * rows, dim).float()
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale).view(batch, groups, per_group, rows, length)
+    if attention_mask is not None:
+        mask = attention_mask[..., :length]
+        mask = (mask.view(mask.shape[0], 1, 1, rows, length) if mask.shape[1] == 1
+                else mask.view(mask.shape[0], groups, per_group, rows, length))
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float())
+    probs = scores.softmax(-1).view(batch, groups, per_group * rows, length)
+    out = torch.matmul(probs, value.float()).to(query.dtype)
+    return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+def _register_decode_attention() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention_forward)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the masks transformers builds: sdpa's
+
+
+_register_decode_attention()
+
+
+def use_decode_attention(model: nn.Module) -> bool:
+    """Switch `model` (a transformers model, or a streamed model around one) from ``sdpa`` to
+    `decode_attention_forward` (registered with transformers as ``"streamspec_sdpa"``), for decoding on
+    a CPU. True when switched (or already so); a model with another attention implementation
+    (``eager``, flash kernels) is left as it is (False). Undo with `use_sdpa_attention`."""
+    config = getattr(getattr(model, "hf_model", model), "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", DECODE_ATTENTION):
+        return False
+    config._attn_implementation = DECODE_ATTENTION
+    return True
+
+
+def use_sdpa_attention(model: nn.Module) -> None:
+    """Undo `use_decode_attention` (transformers' own ``sdpa`` again)."""
+    config = getattr(getattr(model, "hf_model", model), "config", None)
+    if config is not None and getattr(config, "_attn_implementation", None) == DECODE_ATTENTION:
+        config._attn_implementation = "sdpa"
+
+
+@contextlib.contextmanager
+def default_kernels(model: nn.Module):
+    """Inside the block, `model` runs torch's and transformers' defaults: `F.linear` for its packed
+    layers (`default_linear_kernels`) and ``sdpa`` attention where it ran `decode_attention_forward`
+    (both restored afterwards): what the benchmark's default-kernel rows and peers run."""
+    config = getattr(getattr(model, "hf_model", model), "config", None)
+    switched = config is not None and getattr(config, "_attn_implementation", None) == DECODE_ATTENTION
+    if switched:
+        use_sdpa_attention(model)
+    try:
+        with default_linear_kernels(model):
+            yield
+    finally:
+        if switched:
+            use_decode_attention(model)
+

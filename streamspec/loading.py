@@ -92,8 +92,9 @@ def load_for_inference(
             the model is then left where transformers put it instead of moved to `device`.
         gguf_file: the GGUF file's name inside the `source` folder (transformers dequantises it).
         merge_lora: fold a streamed checkpoint's LoRA adapter into the base (faster inference).
-        cpu_kernels: on a CPU in float32, run the linear layers through packed oneDNN kernels
-            (`streamspec.kernels`); ignored elsewhere.
+        cpu_kernels: on a CPU, run the linear layers through packed oneDNN kernels (float32, and
+            bfloat16 where the CPU has native bf16) and a decoding pass's attention through
+            `streamspec.kernels.decode_attention_forward` (`streamspec.kernels`); ignored elsewhere.
     """
     from .assets import BUILTIN_PREFIX
 
@@ -151,10 +152,11 @@ def load_for_inference(
     else:
         target = next(model.parameters()).device
     model.eval()
-    if cpu_kernels and target.type == "cpu" and precision == torch.float32:
-        from .kernels import pack_if_available
+    if cpu_kernels and target.type == "cpu":
+        from .kernels import pack_if_available, use_decode_attention
 
         pack_if_available(model)
+        use_decode_attention(model)
     return LoadedModel(model=model, tokenizer=tokenizer, streamed=streamed, source=name, device=target, dtype=precision)
 
 

@@ -405,18 +405,18 @@ def _medusa_model(folder: str, base_model):
 
 
 def _pack_for_cpu(*models) -> bool:
-    """Pack all the models' fp32 CPU linear layers for oneDNN (see `streamspec.kernels`), or none:
-    False when one is on another device or in another dtype, or this torch has no oneDNN."""
-    from ..kernels import cpu_kernels_available, pack_linear_layers
+    """Switch all the models to streamspec's CPU kernels (see `streamspec.kernels`): their linear
+    layers packed for oneDNN and the decoding attention, or none: False when one is on another
+    device or in a dtype this CPU does not pack, or this torch has no oneDNN."""
+    from ..kernels import pack_linear_layers, packed_dtypes, use_decode_attention
 
-    if not cpu_kernels_available():
-        return False
     for m in models:
         p = next(m.parameters())
-        if p.device.type != "cpu" or p.dtype != torch.float32:
+        if p.device.type != "cpu" or p.dtype not in packed_dtypes():
             return False
     for m in models:
         pack_linear_layers(m)
+        use_decode_attention(m)
     return True
 
 

@@ -190,10 +190,10 @@ def _warm_up_prompts(tokenizer, rows: list[dict], max_new_tokens: int) -> list[t
 
 def with_default_kernels(method: Callable, model) -> Callable:
     """`method` run with torch's default linear kernels in `model` (see `streamspec.kernels`)."""
-    from ..kernels import default_linear_kernels
+    from ..kernels import default_kernels
 
     def run(ids: torch.Tensor, max_new_tokens: int):
-        with default_linear_kernels(model):
+        with default_kernels(model):
             return method(ids, max_new_tokens)
 
     return run

@@ -71,7 +71,7 @@ def transformers_compiled_method(model, eos_token_id, cpp_wrapper: bool = False)
     compile_seconds: dict[int, float] = {}
 
     def run(ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], int, list[int], dict]:
-        from ..kernels import default_linear_kernels
+        from ..kernels import default_kernels
 
         ids = ids.to(device)
         capacity = -(-(ids.shape[1] + max_new_tokens) // CAPACITY_STEP) * CAPACITY_STEP
@@ -86,7 +86,7 @@ def transformers_compiled_method(model, eos_token_id, cpp_wrapper: bool = False)
         for d, _ in hooks:
             d.clear()
         try:
-            with torch.no_grad(), default_linear_kernels(model):  # inductor packs the weights itself
+            with torch.no_grad(), default_kernels(model):  # inductor packs the weights itself
                 out = model.generate(
                     input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                     eos_token_id=eos_token_id, pad_token_id=eos_token_id, cache=caches[capacity],

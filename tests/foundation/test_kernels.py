@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from streamspec import StreamConfig, add_streams
 from streamspec.decoding import generate, generate_autoregressive
 from streamspec.kernels import (
+    DECODE_ATTENTION,
     PackedLinear,
     cpu_kernels_available,
+    decode_attention_forward,
+    default_kernels,
     default_linear_kernels,
     pack_linear_layers,
+    packed_dtypes,
     unpack_linear_layers,
+    use_decode_attention,
 )
 
 from conftest import make_model, random_ids
@@ -98,9 +104,100 @@ def test_unpack_and_default_kernels_restore_nn_linear():
 
 
 def test_other_dtypes_are_left_alone():
-    model = make_model("llama").to(torch.bfloat16)
+    model = make_model("llama").to(torch.float16)
     assert pack_linear_layers(model) == 0
     assert not any(type(m) is PackedLinear for m in model.modules())
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packed_dtypes(), reason="this CPU has no native bf16 in oneDNN")
+def test_bfloat16_layers_are_packed_and_match():
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 96).to(torch.bfloat16)
+    reference = nn.Linear(48, 96).to(torch.bfloat16)
+    reference.load_state_dict(layer.state_dict())
+    assert pack_linear_layers(layer) == 1 and type(layer) is PackedLinear
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert _ran_packed_kernel(lambda: layer(x))
+        torch.testing.assert_close(layer(x), reference(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_graphs_call_the_packed_operator_and_see_weight_changes(dtype):
+    """Under torch.compile a packed layer is the ``streamspec::packed_linear`` operator with the
+    layer's own pack; a weight changed in place afterwards is packed again, never served stale."""
+    if dtype not in packed_dtypes():
+        pytest.skip("this CPU does not pack this dtype")
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 24).to(dtype).eval()
+    pack_linear_layers(layer)
+    x = torch.randn(2, 5, 32, dtype=dtype)
+    step = torch.compile(lambda a: layer(a), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        expected = F.linear(x, layer.weight, layer.bias)
+        assert _ran_op(lambda: step(x), "streamspec::packed_linear")
+        torch.testing.assert_close(step(x), expected, rtol=1e-2, atol=1e-2)
+        layer.weight.mul_(-2)
+        torch.testing.assert_close(step(x), F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
+
+
+def _ran_op(fn, name: str) -> bool:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return any(name in event.key for event in prof.key_averages())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["float", "bool", "per_head", "none"])
+def test_decode_attention_equals_sdpa(rows, dtype, mask_kind):
+    """The grouped decoding attention computes what transformers' sdpa computes (grouped-query
+    heads, additive, boolean and per-head masks, no mask for one row), within rounding."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if mask_kind == "none" and rows > 1:
+        pytest.skip("several rows without a mask go to sdpa itself")
+    torch.manual_seed(rows)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q = torch.randn(2, 6, rows, 16, dtype=dtype)
+    k, v = torch.randn(2, 2, 40, 16, dtype=dtype), torch.randn(2, 2, 40, 16, dtype=dtype)
+    allowed = torch.rand(2, 1, rows, 40) > 0.3
+    allowed[..., 0] = True
+    mask = {"float": torch.zeros(2, 1, rows, 40, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min),
+            "bool": allowed, "per_head": allowed.expand(2, 6, rows, 40).clone(), "none": None}[mask_kind]
+    ours, _ = decode_attention_forward(module, q, k, v, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(),
+                                       mask.double() if mask is not None and mask.is_floating_point() else mask,
+                                       scaling=0.3)
+    assert ours.shape == theirs.shape == (2, rows, 6, 16) and ours.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.double(), theirs, rtol=tol, atol=tol)
+
+
+def test_decode_attention_decodes_exactly_and_default_kernels_restore_sdpa():
+    """A model switched to the decoding attention decodes speculatively exactly as one token per
+    pass does, within fp32 rounding of sdpa's logits; `default_kernels` runs sdpa again."""
+    model = add_streams(make_model("llama", 3), StreamConfig(stream_layers=2)).eval()
+    prompt = random_ids(1, 9, 3)
+    with torch.no_grad():
+        sdpa_logits = model(prompt).logits
+    assert use_decode_attention(model) and model.config._attn_implementation == DECODE_ATTENTION
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, sdpa_logits, rtol=1e-4, atol=1e-5)
+    reference = generate_autoregressive(model, prompt, 16)
+    for k in (1, 3):
+        assert torch.equal(generate(model, prompt, 16, tree_top_k=k).tokens, reference)
+    with default_kernels(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == DECODE_ATTENTION
+
+
+def test_eager_models_keep_their_attention():
+    model = make_model("llama")
+    model.config._attn_implementation = "eager"
+    assert not use_decode_attention(model) and model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
