@@ -79,7 +79,7 @@ class Judgement:
     seconds: float
     answer_probs: dict[str, float] | None = None
     top_answer: str | None = None
-    request: str = DEFAULT_REQUEST
+    request: str = "score_0_9"  # a judgement made from digits is a 0-9 score
 
     def __post_init__(self) -> None:
         if self.answer_probs is None:  # made from digits (score_0_9)

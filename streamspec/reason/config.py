@@ -23,12 +23,14 @@ class ReasonConfig:
 
     Args:
         judge_request: what the judge is asked (`streamspec.reason.judging.JUDGE_REQUESTS`):
-            ``"score_0_9"`` (the paper's 0-9 score), ``"error_yes_no"``, ``"correct_yes_no"``,
-            ``"error_yes_no_fewshot"`` or ``"correct_or_error"`` (the YAML key
-            ``judge.request`` sets it too).
+            ``"error_yes_no_fewshot"`` (the default: "does the last step contain an error?"
+            after three worked verdicts, the request that separated best on CHAMP),
+            ``"score_0_9"`` (the paper's 0-9 score), ``"error_yes_no"``, ``"correct_yes_no"``
+            or ``"correct_or_error"`` (the YAML key ``judge.request`` sets it too).
         threshold: keep a drafted step when the judge's score is >= this, in the score's own
             units (0..9 for score_0_9; a probability for the yes/no requests' first reading);
-            default the request's (7 for score_0_9, 0.5 for the yes/no requests).
+            default the request's (0.4 for error_yes_no_fewshot, fitted on CHAMP; 7 for
+            score_0_9; 0.5 for the other yes/no requests).
         score: how the answer is read, one of the request's readings (default its first): for
             score_0_9 ``"argmax"`` (the judge's most likely next token; a non-digit counts as
             0) or ``"expected"`` (Σ d·p(d) over the digit tokens' probabilities, renormalised);
@@ -50,7 +52,7 @@ class ReasonConfig:
 
     threshold: float | None = None
     score: str | None = None
-    judge_request: str = "score_0_9"
+    judge_request: str = "error_yes_no_fewshot"
     step_delimiter: str = "\n\n"
     step_max_tokens: int = 512
     token_budget: int = 8192

@@ -119,7 +119,7 @@ JUDGE_REQUESTS: dict[str, JudgeRequest] = {
               "Last step: \"x^2 = 9, so x = 3 is the only solution.\" Error: Yes (x = -3 also solves it).\n"
               "Now the reasoning above. Does its last step contain an error: a wrong fact, a wrong calculation "
               "or an invalid deduction? Judge only the last step. Answer Yes or No."),
-        reply_opening="", answers=_YES_NO, scores=("p_no_error", "log_odds"), default_threshold=0.5,
+        reply_opening="", answers=_YES_NO, scores=("p_no_error", "log_odds"), default_threshold=0.4,
         bounds={"p_no_error": (0, 1), "log_odds": (None, None)}, good="No", bad="Yes",
     ),
     "correct_or_error": JudgeRequest(
@@ -131,7 +131,9 @@ JUDGE_REQUESTS: dict[str, JudgeRequest] = {
         bounds={"p_correct": (0, 1), "log_odds": (None, None)}, good="Correct", bad="Error",
     ),
 }
-DEFAULT_REQUEST = "score_0_9"
+# The request that separated right from wrong steps best within position on CHAMP (AUROC 0.756 with
+# Qwen2.5-Coder-1.5B on llama.cpp; docs/reasoning.md), chosen there, never on evaluation problems.
+DEFAULT_REQUEST = "error_yes_no_fewshot"
 
 
 def judge_request(name: str | JudgeRequest) -> JudgeRequest:

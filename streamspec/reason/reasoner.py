@@ -17,11 +17,11 @@ same prompts, budget, step loop and answer extraction.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from typing import Callable
 
 from .backends import Backend, Sampling, TextStop
-from .judging import DEFAULT_REQUEST
 from .config import ReasonConfig
 from .grading import extract_answer, extract_boxed
 from .prompts import ANSWER_CUE
@@ -81,6 +81,18 @@ class SpecReasoner:
         return {"specreason": self.solve, "base_only": self.base_only, "drafter_only": self.drafter_only}[method](problem)
 
     # -- the loop -------------------------------------------------------------------------------
+    def _judge(self, step: str):
+        """The judge's verdict on `step` for the configured request. A backend written for the
+        paper's 0-9 score alone (``judge(step)``, no request) keeps working with that request and
+        is refused, by name, with any other."""
+        request = self.config.judge_request
+        if _takes_request(self.judge.judge):
+            return self.judge.judge(step, request)
+        if request != "score_0_9":
+            raise TypeError(f"{type(self.judge).__name__}.judge(step) takes no judge request, so it can only give "
+                            f"the 0-9 score (judge_request='score_0_9'), not {request!r}; add a `request` argument")
+        return self.judge.judge(step)
+
     def _roles(self, method: str) -> list[Backend]:
         if method == "base_only":
             return [self.base]
@@ -177,9 +189,7 @@ class SpecReasoner:
         draft = self.drafter.generate(cap, sampling, stop)
         trace.seconds["draft"] += draft.seconds
         trace.draft_passes += draft.passes or 0
-        # a backend written for the 0-9 score alone (judge(step)) keeps working with the default request
-        verdict = (self.judge.judge(draft.text) if cfg.judge_request == DEFAULT_REQUEST
-                   else self.judge.judge(draft.text, cfg.judge_request))
+        verdict = self._judge(draft.text)
         trace.seconds["judge"] += verdict.seconds
         trace.tokens["judge"] += verdict.tokens_read
         score = verdict.score(cfg.score)
@@ -222,3 +232,15 @@ class SpecReasoner:
 def _spent(trace: ReasonTrace) -> int:
     """Tokens the reasoning has generated so far (kept and rejected drafts, the base's steps)."""
     return trace.tokens["draft_kept"] + trace.tokens["draft_rejected"] + trace.tokens["base"]
+
+
+def _takes_request(judge) -> bool:
+    """Whether a backend's ``judge`` accepts a second (request) argument."""
+    try:
+        params = list(inspect.signature(judge).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
+

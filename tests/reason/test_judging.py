@@ -14,7 +14,7 @@ import torch
 from streamspec.reason.backends import Judgement, LocalBackend, chat_frame, top_logprobs
 from streamspec.reason.config import ReasonConfig, load_reason_config
 from streamspec.reason.evaluate import calibrate
-from streamspec.reason.judging import JUDGE_REQUESTS, answer_token_ids, judge_request
+from streamspec.reason.judging import DEFAULT_REQUEST, JUDGE_REQUESTS, answer_token_ids, judge_request
 from streamspec.reason.report import auroc_within_position, calibration, fitted_threshold, markdown, summarize
 from streamspec.reason.tasks import AnnotatedSolution
 
@@ -50,14 +50,19 @@ def test_each_request_reads_its_answers_in_its_own_units():
 
 
 def test_the_setting_defaults_to_the_requests_units_and_refuses_mismatches(tmp_path):
-    assert (ReasonConfig().threshold, ReasonConfig().score) == (7.0, "argmax")
+    assert (ReasonConfig().judge_request, ReasonConfig().threshold, ReasonConfig().score) == (
+        DEFAULT_REQUEST, 0.4, "p_no_error") == ("error_yes_no_fewshot", 0.4, "p_no_error")
+    paper = ReasonConfig(judge_request="score_0_9")
+    assert (paper.threshold, paper.score) == (7.0, "argmax")
     yes_no = ReasonConfig(judge_request="error_yes_no")
     assert (yes_no.threshold, yes_no.score) == (0.5, "p_no_error")
     assert ReasonConfig(judge_request="error_yes_no", score="log_odds", threshold=-2.0).threshold == -2.0
     with pytest.raises(ValueError, match=r"\[0, 1\], got 7"):
         ReasonConfig(judge_request="error_yes_no", threshold=7)
     with pytest.raises(ValueError, match="one of \\['argmax', 'expected'\\]"):
-        ReasonConfig(score="p_no_error")
+        ReasonConfig(judge_request="score_0_9", score="p_no_error")
+    with pytest.raises(ValueError, match="one of \\['p_no_error', 'log_odds'\\]"):
+        ReasonConfig(score="expected")
     with pytest.raises(ValueError, match="judge_request must be one of"):
         ReasonConfig(judge_request="vibes")
     config = tmp_path / "reason.yaml"
@@ -184,7 +189,7 @@ def test_specreason_on_llama_cpp_base_and_judge(single_thread, tmp_path):
         for step in trace.drafted_steps:
             assert set(step.answer_probs) == {"Yes", "No"} and 0 < sum(step.answer_probs.values()) <= 1 + 1e-6
         base.start("What is 2 + 3?")
-        digits = base.judge("2 + 3 = 5.\n\n")
+        digits = base.judge("2 + 3 = 5.\n\n", "score_0_9")
         assert 0 < sum(digits.digit_probs) <= 1 + 1e-6 and len(digits.digit_probs) == 10
     finally:
         base.close()

@@ -57,7 +57,7 @@ class Scripted(Backend):
 
 
 def reasoner(drafter_steps, base_steps, scores, **cfg):
-    cfg = {"token_budget": 1000, "answer_max_tokens": 8, **cfg}
+    cfg = {"token_budget": 1000, "answer_max_tokens": 8, "judge_request": "score_0_9", **cfg}  # Scripted scores 0-9
     drafter, base = Scripted(drafter_steps, name="drafter"), Scripted(base_steps, scores, name="base")
     return SpecReasoner(drafter, base, ReasonConfig(**cfg)), drafter, base
 
@@ -110,7 +110,8 @@ def test_first_base_steps_are_unjudged():
 
 def test_a_backend_error_is_recorded_and_the_run_goes_on():
     drafter = Scripted(["d\n\n"], name="drafter", fail_at=1)
-    r = SpecReasoner(drafter, Scripted(["b\n\n"], [9]), ReasonConfig(token_budget=100, answer_max_tokens=4))
+    r = SpecReasoner(drafter, Scripted(["b\n\n"], [9]), ReasonConfig(token_budget=100, answer_max_tokens=4,
+                                                                           judge_request="score_0_9"))
     trace = r.solve("p")
     assert trace.stop_reason == "error" and "server went away" in trace.error
     assert r.solve("q").stop_reason == "error"  # the reasoner itself is still usable
@@ -138,7 +139,7 @@ def test_empty_problem_is_refused():
 
 def test_yaml_config_and_overrides(tmp_path):
     path = tmp_path / "reason.yaml"
-    path.write_text("reason:\n  threshold: 5\n  token_budget: 300\nbase:\n  source: some/folder\n")
+    path.write_text("reason:\n  judge_request: score_0_9\n  threshold: 5\n  token_budget: 300\nbase:\n  source: some/folder\n")
     setup = load_reason_config(path, ["reason.score=expected", "drafter.source=http://127.0.0.1:1/v1",
                                       "drafter.model=m"])
     assert setup.reason.threshold == 5 and setup.reason.score == "expected" and setup.base.source == "some/folder"
@@ -171,7 +172,7 @@ def tiny(tiny_dir):
     return tokenizer, base, drafter
 
 
-CFG = dict(token_budget=120, step_max_tokens=24, answer_max_tokens=6, temperature=0.0)
+CFG = dict(token_budget=120, step_max_tokens=24, answer_max_tokens=6, temperature=0.0, judge_request="score_0_9")
 PROBLEM = "Tom has 3 apples and buys 5 more. How many apples does he have?"
 
 
@@ -179,11 +180,11 @@ def test_judge_with_kept_cache_equals_a_fresh_forward(tiny):
     from streamspec.reason.backends import _digit_ids
 
     tokenizer, base, _ = tiny
-    frame = chat_frame(tokenizer)
+    frame = chat_frame(tokenizer, "score_0_9")
     backend = LocalBackend(base, tokenizer, name="base")
     backend.start(PROBLEM)
-    backend.judge("First, 3 + 5.\n\n")  # kept: its entries stay in the cache
-    verdict = backend.judge("So he has 8.\n\n")
+    backend.judge("First, 3 + 5.\n\n", "score_0_9")  # kept: its entries stay in the cache
+    verdict = backend.judge("So he has 8.\n\n", "score_0_9")
     text = frame.prefix(PROBLEM) + "First, 3 + 5.\n\n" + "So he has 8.\n\n"
     assert tokenizer.decode(backend.session.ids) == text  # the request was dropped again
     suffix_ids = tokenizer.encode(frame.judge_suffix, add_special_tokens=False)
@@ -252,3 +253,12 @@ def test_a_tokenizer_that_cannot_render_the_prompt_is_refused():
     backend = LocalBackend(make_model("llama"), tokenizer, name="drafter")
     with pytest.raises(ValueError, match="drafter's tokenizer cannot render the prompt"):
         backend.start("Wie viele Äpfel hat Tom?")
+
+
+def test_a_judge_without_requests_gives_only_the_0_9_score():
+    """A backend written before judge requests (``judge(step)``) still judges the paper's 0-9
+    score, and any other request is refused by name, not misread."""
+    r, *_ = reasoner(["d\n\n"], ["b\n\n"], [9], judge_request="error_yes_no_fewshot", threshold=0.4)
+    trace = r.solve("p")
+    assert trace.stop_reason == "error" and "takes no judge request" in trace.error
+    assert "judge_request='score_0_9'" in trace.error

@@ -50,13 +50,13 @@ def test_evaluate_writes_each_run_and_resumes(folders, tiny_dir, tmp_path):
     traces = evaluate(problems, cfg, tmp_path, base=base, drafter=streamed, plain_drafter=plain, progress=False)
     lines = (tmp_path / TRACES_FILE).read_text().splitlines()
     assert len(lines) == len(traces) == 2 * 4
-    assert {json.loads(line)["method"] for line in lines} == {"base_only", "drafter_only", "specreason@7",
-                                                             "specreason_plain@7"}
+    assert {json.loads(line)["method"] for line in lines} == {"base_only", "drafter_only", "specreason@0.4",
+                                                             "specreason_plain@0.4"}
     for trace in traces:
         assert trace.tokens["total"] <= 24 and trace.correct is not None and trace.reference in ("5", "12")
     # the streamed and the plain drafter write the same text (lossless streams, greedy)
     by = {(t.method, t.problem_id): t for t in traces}
-    assert by[("specreason@7", "a")].text == by[("specreason_plain@7", "a")].text
+    assert by[("specreason@0.4", "a")].text == by[("specreason_plain@0.4", "a")].text
     # a second run does nothing; a torn last line is run again, nothing else
     again = evaluate(problems, cfg, tmp_path, base=base, drafter=streamed, plain_drafter=plain, progress=False)
     assert len((tmp_path / TRACES_FILE).read_text().splitlines()) == 8 and len(again) == 8
@@ -64,14 +64,15 @@ def test_evaluate_writes_each_run_and_resumes(folders, tiny_dir, tmp_path):
     evaluate(problems, cfg, tmp_path, base=base, drafter=streamed, plain_drafter=plain, progress=False)
     assert len(read_traces(tmp_path / TRACES_FILE)) == 8
     with pytest.raises(ValueError, match="available"):
-        evaluate(problems, cfg, tmp_path, base=base, drafter=None, methods=["specreason@7"], progress=False)
+        evaluate(problems, cfg, tmp_path, base=base, drafter=None, methods=["specreason@0.4"], progress=False)
 
 
 def test_reason_eval_command(folders, tmp_path, capsys):
     base, drafter, data = folders
     out = tmp_path / "eval"
     code = main(["reason-eval", "--data", str(data), "--base", str(base), "--drafter", str(drafter), "--limit", "1",
-                 "--thresholds", "5", "9", "--device", "cpu", "--out", str(out), *SMALL])
+                 "--judge-request", "score_0_9", "--thresholds", "5", "9", "--device", "cpu", "--out", str(out),
+                 *SMALL])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["methods"]) == {"base_only", "drafter_only", "specreason@5", "specreason_plain@5",
@@ -95,7 +96,7 @@ def test_reason_command_refuses_missing_roles(folders, capsys):
     assert capsys.readouterr().err.startswith("streamspec: error: streamspec reason needs --base and --drafter")
     assert main(["reason", "--base", str(base), "--drafter", str(base), "--problem", "x", "--threshold", "12"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "must be in [0, 9], got 12.0" in err
+    assert err.count("\n") == 1 and "'error_yes_no_fewshot' read as 'p_no_error' must be in [0, 1], got 12.0" in err
     with pytest.raises(ValueError, match="threshold"):
         main(["--debug", "reason", "--base", str(base), "--drafter", str(base), "--problem", "x", "--threshold", "12"])
 

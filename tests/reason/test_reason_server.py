@@ -20,7 +20,7 @@ from streamspec.reason.config import ReasonConfig
 from streamspec.reason.reasoner import SpecReasoner
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-CFG = dict(token_budget=60, step_max_tokens=12, answer_max_tokens=4, temperature=0.0)
+CFG = dict(token_budget=60, step_max_tokens=12, answer_max_tokens=4, temperature=0.0, judge_request="score_0_9")
 PROBLEM = "What is 2+3?"
 
 
@@ -75,7 +75,7 @@ def test_judging_over_http_reads_the_same_digits(served, local, tiny_dir):
     for backend in (remote, here):
         backend.start(PROBLEM)
         backend.append("First, add the numbers.\n\n")
-    a, b = remote.judge("2 + 3 = 5.\n\n"), here.judge("2 + 3 = 5.\n\n")
+    a, b = remote.judge("2 + 3 = 5.\n\n", "score_0_9"), here.judge("2 + 3 = 5.\n\n", "score_0_9")
     # the server reports the top 20 tokens: every digit among them has the in-process probability
     for d in range(10):
         assert a.digit_probs[d] <= b.digit_probs[d] + 1e-4
