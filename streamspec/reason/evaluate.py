@@ -107,6 +107,7 @@ def evaluate(problems: list[Problem], config: ReasonConfig, out_dir: str | Path,
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(t.to_dict()) + "\n" for t in traces), encoding="utf-8")
         tmp.replace(path)
+    _check_settings(traces, config, path)
     done = {_key(t.method, t.problem_id, t.problem) for t in traces}
     todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if _key(m, p.id, p.question) not in done]
     if len(todo) < len(problems) * len(methods):
@@ -121,6 +122,25 @@ def evaluate(problems: list[Problem], config: ReasonConfig, out_dir: str | Path,
             handle.flush()
             traces.append(trace)
     return traces
+
+
+# settings a trace may differ in from the run's: the seed is per problem, the threshold per method name
+_PER_RUN = ("seed", "threshold")
+
+
+def _check_settings(traces: list[ReasonTrace], config: ReasonConfig, path: Path) -> None:
+    """Refuse to resume from traces made with other settings (another judge request, budget,
+    temperature, ...): their runs would be counted as this run's. Traces that record no
+    settings (older files) are taken as they are."""
+    wanted = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PER_RUN}
+    for trace in traces:
+        if not trace.config:
+            continue
+        differs = {k: (trace.config.get(k), v) for k, v in wanted.items() if k in trace.config and trace.config[k] != v}
+        if differs:
+            detail = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differs.items())
+            raise ValueError(f"{path} holds runs made with other settings ({detail}); resume with the same settings, "
+                             "or write to another --out")
 
 
 def _seeded(config: ReasonConfig, index: int) -> ReasonConfig:

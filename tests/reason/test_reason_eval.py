@@ -126,3 +126,22 @@ def test_reason_command_reads_a_yaml_config(folders, tmp_path, capsys):
     assert main(["reason", "--config", str(config), "--problem", "What is 2+3?", "--set", "reason.seed=3"]) == 0
     printed = capsys.readouterr().out
     assert "drafted, kept" in printed and "answer:" in printed
+
+
+def test_resuming_refuses_traces_made_with_other_settings(tiny_dir, tmp_path):
+    """traces.jsonl written with another judge request (or budget, ...) is never counted as this
+    run's: the resume is refused, naming the setting, before anything runs."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa").eval()
+    base = LocalBackend(model, tokenizer, name="base")
+    problems = [Problem("a", "What is 2+3?", "5", "numeric")]
+    cfg = ReasonConfig(token_budget=16, step_max_tokens=8, answer_max_tokens=4, temperature=0.0)
+    evaluate(problems, cfg, tmp_path, base=base, drafter=None, progress=False)
+    other = ReasonConfig(token_budget=16, step_max_tokens=8, answer_max_tokens=4, temperature=0.0,
+                         judge_request="error_yes_no")
+    with pytest.raises(ValueError, match="judge_request: 'error_yes_no_fewshot' there, 'error_yes_no' now"):
+        evaluate(problems, other, tmp_path, base=base, drafter=None, progress=False)
+    # the same settings resume (nothing run again)
+    assert len(evaluate(problems, cfg, tmp_path, base=base, drafter=None, progress=False)) == 1
