@@ -9,6 +9,7 @@ the timed prompts meet, so compile time is paid (and reported) before them.
 
     OMP_NUM_THREADS=1 python eval/step_speed.py --checkpoint streamspec:smollm2-135m-sql-streams --limit 5
     OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes bfloat16 --lookup 8,1,3 --limit 5   # lookup trees compiled
+    OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes "bfloat16" "bfloat16 packed" --limit 5  # streamspec's CPU kernels
 """
 
 from __future__ import annotations
@@ -37,23 +38,26 @@ def main() -> None:
     parser.add_argument("--tree-top-k", default="2,1,1")
     parser.add_argument("--lookup", default=None, metavar="L,M[,N]",
                         help="also the tree with these prompt-lookup branches, eager and compiled")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32 packed"],
-                        choices=["float32", "bfloat16", "float32 packed"],
-                        help="which models to run (the reference for agreement is float32 one token when run)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32 packed", "bfloat16 packed"],
+                        choices=["float32", "bfloat16", "float32 packed", "bfloat16 packed"],
+                        help="which models to run: torch's and transformers' default kernels, or ('packed') "
+                             "streamspec's CPU kernels (streamspec.kernels: packed oneDNN layers, the decoding "
+                             "attention); the reference for agreement is float32 one token when run")
     parser.add_argument("--out", default=None, help="a JSON file for the figures")
     args = parser.parse_args()
     tree = tuple(int(x) for x in args.tree_top_k.split(","))
     lookup = PromptLookup.parse(args.lookup) if args.lookup else None
     models = {dtype: load_for_inference(args.checkpoint, dtype=dtype, cpu_kernels=False)
               for dtype in ("float32", "bfloat16") if dtype in args.dtypes}
-    if "float32 packed" in args.dtypes:  # what streamspec runs by default on a CPU in float32: the packed oneDNN kernels (eager only)
-        models["float32 packed"] = load_for_inference(args.checkpoint, dtype="float32")
+    for dtype in ("float32", "bfloat16"):  # what streamspec runs by default on a CPU: its own kernels
+        if f"{dtype} packed" in args.dtypes:
+            models[f"{dtype} packed"] = load_for_inference(args.checkpoint, dtype=dtype)
     tokenizer = next(iter(models.values())).tokenizer
     eos = tokenizer.eos_token_id
     rows = task_rows(args.task, "test")[: args.limit]
     configs = {}
     for dtype in models:
-        for compiled in ((False,) if dtype == "float32 packed" else (False, True)):
+        for compiled in (False, True):
             configs[f"{dtype} one token{' compiled' if compiled else ''}"] = (dtype, False, DecodeConfig(compile=compiled))
             configs[f"{dtype} tree {args.tree_top_k}{' compiled' if compiled else ''}"] = (
                 dtype, True, DecodeConfig(tree_top_k=tree, compile=compiled))
