@@ -26,6 +26,7 @@ from streamspec.data.tasks import task_rows
 from streamspec.decoding import DecodeConfig, generate
 from streamspec.decoding.compiled import compiled_capacity
 from streamspec.decoding.lookup import PromptLookup
+from streamspec.evaluation.peers import floor_ms, kv_bytes_per_token, measure_read_bandwidth, weight_bytes
 from streamspec.loading import load_for_inference
 
 
@@ -92,14 +93,28 @@ def main() -> None:
     reference = outputs.get("float32 one token") or outputs[next(iter(outputs))]
     result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "prompts": len(rows), "rows": {}}
     print(f"{result['cpu']}, {result['threads']} thread(s), {len(rows)} prompts, {args.max_new_tokens} new tokens")
-    print(f"| configuration | ms per decoding step | tokens per pass | tokens/s (steps) | identical to {'fp32 one token' if 'float32 one token' in outputs else next(iter(outputs))} | first call s |")
-    print("|---|---|---|---|---|---|")
+    # the memory floor of a one-token step per dtype: its weights and the KV cache at the mean
+    # context over the read bandwidth measured now, at this thread count
+    bandwidth = measure_read_bandwidth()
+    context = sum(prompt_ids(tokenizer, row).shape[1] for row in rows) / len(rows) + args.max_new_tokens / 2
+    result["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    result["floor_ms"] = {}
+    for dtype in models:
+        model = models[dtype].model
+        floor = floor_ms(weight_bytes(model), kv_bytes_per_token(model.config, next(model.parameters()).dtype), context,
+                         bandwidth)
+        result["floor_ms"][dtype] = round(floor, 2)
+    print(f"memory floor of one token a pass (weights + KV at {context:.0f} entries, {bandwidth / 1e9:.1f} GB/s): "
+          + ", ".join(f"{d} {ms} ms" for d, ms in result["floor_ms"].items()))
+    print(f"| configuration | ms per decoding step | × floor | tokens per pass | tokens/s (steps) | identical to {'fp32 one token' if 'float32 one token' in outputs else next(iter(outputs))} | first call s |")
+    print("|---|---|---|---|---|---|---|")
     for name, (seconds, n, tokens) in steps.items():
         same = sum(a == b for a, b in zip(outputs[name], reference))
         entry = {"ms_per_step": round(1000 * seconds / max(n, 1), 2), "tokens_per_pass": round(tokens / max(n + len(rows), 1), 3),
                  "identical_to_fp32": f"{same}/{len(rows)}", "first_call_seconds": warm[name]}
+        entry["x_floor"] = round(entry["ms_per_step"] / result["floor_ms"][configs[name][0]], 2)
         result["rows"][name] = entry
-        print(f"| {name} | {entry['ms_per_step']} | {entry['tokens_per_pass']} | "
+        print(f"| {name} | {entry['ms_per_step']} | {entry['x_floor']} | {entry['tokens_per_pass']} | "
               f"{round(1000 * entry['tokens_per_pass'] / max(entry['ms_per_step'], 1e-9), 1)} | {entry['identical_to_fp32']} | "
               f"{warm[name]} |")
     if args.out:
