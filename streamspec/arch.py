@@ -72,8 +72,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
-# Attention kernels that take an arbitrary additive mask; streams and trees need one.
-MASKED_ATTENTION = ("eager", "sdpa")
+# Attention kernels that take an arbitrary additive mask; streams and trees need one
+# ("streamspec_sdpa": `streamspec.kernels.decode_attention_forward`, sdpa with a decoding path).
+MASKED_ATTENTION = ("eager", "sdpa", "streamspec_sdpa")
 
 
 def arch_spec(config) -> ArchSpec:

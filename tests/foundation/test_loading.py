@@ -32,7 +32,7 @@ from streamspec.patch.checkpoint import export_checkpoint, merge_adapter
 from streamspec.cli import main as cli_main
 from streamspec.decoding import generate
 from streamspec.decoding.text import generate_text
-from streamspec.kernels import PackedLinear, cpu_kernels_available
+from streamspec.kernels import DECODE_ATTENTION, PackedLinear, cpu_kernels_available, packed_dtypes
 from streamspec.devices import base_dtype, resolve_device, resolve_dtype
 from streamspec.loading import load_for_inference
 
@@ -97,11 +97,15 @@ def test_plain_folder(tiny_dir):
     loaded = load_for_inference(tiny_dir)
     assert not loaded.streamed and loaded.source == str(tiny_dir)
     assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32 == loaded.model.dtype
-    assert not loaded.model.training and loaded.model.config._attn_implementation == "sdpa"
+    # on a CPU the decoding attention (sdpa with a path for a few query rows), else sdpa itself
+    assert not loaded.model.training and loaded.model.config._attn_implementation == DECODE_ATTENTION
+    assert load_for_inference(tiny_dir, cpu_kernels=False).model.config._attn_implementation == "sdpa"
     assert loaded.tokenizer.chat_template and loaded.max_length == 2048
     assert _packed(loaded.model) == (29 if cpu_kernels_available() else 0)  # 4 layers × 7 linears + the head
     half = load_for_inference(str(tiny_dir), dtype="bfloat16")
-    assert half.dtype == half.model.dtype == torch.bfloat16 and _packed(half.model) == 0
+    # bf16 is packed too where the CPU has native bf16 (streamspec.kernels.packed_dtypes)
+    assert half.dtype == half.model.dtype == torch.bfloat16
+    assert _packed(half.model) == (29 if torch.bfloat16 in packed_dtypes() else 0)
     assert half.model.model.rotary_emb.inv_freq.dtype == torch.float32  # buffers keep their precision
     assert _packed(load_for_inference(tiny_dir, cpu_kernels=False).model) == 0
 
