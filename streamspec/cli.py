@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: streams on the default model, a short fine-tune, the benchmark")
     demo.add_argument("--example", type=int, default=0, help="index of the Spider dev question to show")
     demo.add_argument("--steps", type=int, default=12, help="fine-tuning steps (batch 4)")
-    demo.add_argument("--limit", type=int, default=8, help="held-out questions to benchmark")
+    demo.add_argument("--limit", type=int, default=8, help="held-out questions to benchmark the shipped streams on")
+    demo.add_argument("--fine-tune-limit", type=int, default=3,
+                      help="held-out questions to benchmark the demo's own few-step fine-tune on")
     demo.add_argument("--out", default="runs/demo", help="folder for the checkpoint and the benchmark files")
     demo.add_argument("--intro-only", action="store_true", help="only show the streams on the default model")
     add_device_args(demo)
@@ -233,7 +235,8 @@ def _run(args) -> int:
         if args.intro_only:
             introduce(args.example, device=args.device, dtype=args.dtype)
         else:
-            run_demo(steps=args.steps, limit=args.limit, out_dir=args.out, example_index=args.example,
+            run_demo(steps=args.steps, limit=args.limit, fine_tune_limit=args.fine_tune_limit, out_dir=args.out,
+                     example_index=args.example,
                      device=args.device, dtype=args.dtype)
     elif args.command == "train":
         from .training.recipe import load_recipe

@@ -7,7 +7,7 @@
    on held-out questions: the table printed and the plots' paths shown.
 3. The same benchmark with the stream weights that ship in the package
    (`streamspec.assets.shipped_streams_path`: self-distilled lossless streams for the default
-   model): what trained streams give, on the same questions, with the base model's exact outputs.
+   model): what trained streams give, on held-out questions (the first of them the fine-tune's), with the base model's exact outputs.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ SHIPPED_TREE = (2, 1, 1)
 def run_demo(
     steps: int = 12,
     limit: int = 8,
+    fine_tune_limit: int = 3,
     out_dir: str | Path = "runs/demo",
     model: str | None = None,
     max_new_tokens: int = 96,
@@ -87,9 +88,11 @@ def run_demo(
     device: str = "auto",
     dtype: str = "auto",
 ) -> dict:
-    """The main job: introduce, fine-tune `steps` steps, export, benchmark `limit` held-out
-    questions, then the shipped streams on the same questions. Returns both benchmark summaries
-    (``fine_tune``, ``shipped``; files under `out_dir`/benchmark and `out_dir`/shipped).
+    """The main job: introduce, fine-tune `steps` steps (validated on 8 held-out examples),
+    export, benchmark the export on `fine_tune_limit` held-out questions (it shows the pipeline
+    end to end; a few steps barely train the streams), then the shipped streams on `limit`
+    questions. Returns both benchmark summaries (``fine_tune``, ``shipped``; files under
+    `out_dir`/benchmark and `out_dir`/shipped).
 
     Args:
         model: another base (a local path or hub id) instead of the default SmolLM2 (the shipped
@@ -101,15 +104,17 @@ def run_demo(
     from .training.recipe import load_recipe
     from .training.trainer import run_training
 
-    if steps < 1 or limit < 1:
-        raise ValueError(f"steps and limit must be >= 1, got steps={steps}, limit={limit}")
+    if steps < 1 or limit < 1 or fine_tune_limit < 1:
+        raise ValueError(f"steps, limit and fine_tune_limit must be >= 1, got steps={steps}, limit={limit}, "
+                         f"fine_tune_limit={fine_tune_limit}")
     if not RECIPE.is_file():
         raise FileNotFoundError(f"the demo fine-tunes with {RECIPE.name} from the repository's recipes/; not found at {RECIPE}")
     if model is None:
         introduce(example_index, device=device, dtype=dtype)
     out = Path(out_dir)
     overrides = [f"training.output_dir={out / 'train'}", f"training.max_steps={steps}", "training.report_to=none",
-                 f"training.save_steps={steps}", f"training.logging_steps={max(1, steps // 6)}"]
+                 f"training.save_steps={steps}", f"training.logging_steps={max(1, steps // 6)}",
+                 "data.max_validation_examples=8"]
     if model is not None:
         overrides.append(f"model.name_or_path={model}")
     recipe = load_recipe(RECIPE, overrides)
@@ -117,11 +122,11 @@ def run_demo(
     summary = run_training(recipe)
     print(f"streamed checkpoint exported to {summary['export']} ({summary['wall_seconds']} s, "
           f"{summary['seconds_per_step']} s/step)")
-    print(f"\n[2/3] benchmark on {limit} held-out Spider questions (batch 1, greedy; baseline: transformers "
+    print(f"\n[2/3] benchmark on {fine_tune_limit} held-out Spider questions (batch 1, greedy; baseline: transformers "
           "generate on the base model, since the demo trains no next-token baseline) ...")
     # Fixed settings (the tree, the lookup; no pruning or confidence rows): choosing them on
     # validation prompts would add minutes.
-    result = run_benchmark(summary["export"], task="sql", limit=limit, tree_top_k=SHIPPED_TREE, thresholds=(),
+    result = run_benchmark(summary["export"], task="sql", limit=fine_tune_limit, tree_top_k=SHIPPED_TREE, thresholds=(),
                            lookup=DEFAULT_LOOKUP, tree_budget=None, max_new_tokens=max_new_tokens,
                            out_dir=str(out / "benchmark"), device=device, dtype=dtype)
     print(f"\nA {steps}-step fine-tune barely trains the streams. Trained ones ship with streamspec:")
@@ -131,8 +136,8 @@ def run_demo(
 
         folder = shipped_streams_path()
         print(f"\n[3/3] the shipped streams ({folder.name}: self-distilled lossless streams for SmolLM2, trained by "
-              "recipes/smollm2-135m/sql_streams_offline_r64.yaml, then sql_streams_offline_wide.yaml) on the same "
-              "questions; the base model's outputs, "
+              "recipes/smollm2-135m/sql_streams_offline_r64.yaml, then sql_streams_offline_wide.yaml and "
+              f"sql_streams_offline_wide_more.yaml) on {limit} questions; the base model's outputs, "
               "token for token ...")
         shipped = run_benchmark(str(folder), task="sql", limit=limit, tree_top_k=SHIPPED_TREE, thresholds=(),
                                 lookup=DEFAULT_LOOKUP, tree_budget=DEFAULT_BUDGET, max_new_tokens=max_new_tokens,

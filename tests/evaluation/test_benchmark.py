@@ -148,7 +148,8 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     from streamspec import load_streamed
     from streamspec.demo import run_demo
 
-    result = run_demo(steps=2, limit=1, out_dir=tmp_path / "demo", model=str(tiny_dir), max_new_tokens=6)
+    result = run_demo(steps=2, limit=1, fine_tune_limit=1, out_dir=tmp_path / "demo", model=str(tiny_dir),
+                      max_new_tokens=6)
     shown = capsys.readouterr().out
     assert result["shipped"] is None  # the shipped streams are for SmolLM2, not this base
     summary = result["fine_tune"]
@@ -157,8 +158,10 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     assert "| method |" in shown and "tokens_per_pass.png" in shown
     assert (tmp_path / "demo" / "benchmark" / "benchmark.json").is_file()
     load_streamed(tmp_path / "demo" / "train" / "final")
-    with pytest.raises(ValueError, match="steps and limit"):
+    with pytest.raises(ValueError, match="steps, limit and fine_tune_limit"):
         run_demo(steps=0)
+    with pytest.raises(ValueError, match="fine_tune_limit=0"):
+        run_demo(fine_tune_limit=0)
 
 
 @pytest.mark.parametrize("name, options", [
