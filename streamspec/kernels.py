@@ -274,7 +274,9 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         mask = (mask.view(mask.shape[0], 1, 1, rows, length) if mask.shape[1] == 1
                 else mask.view(mask.shape[0], groups, per_group, rows, length))
         scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float())
-    probs = scores.softmax(-1).view(batch, groups, per_group * rows, length)
+    # a row that may see nothing (a padded query) gives zeros, as torch's sdpa does, not NaN that
+    # would reach every later layer through that position's keys and values
+    probs = torch.nan_to_num(scores.softmax(-1), nan=0.0).view(batch, groups, per_group * rows, length)
     out = torch.matmul(probs, value.float()).to(query.dtype)
     return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
