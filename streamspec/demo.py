@@ -80,13 +80,13 @@ SHIPPED_TREE = (2, 1, 1)
 def run_demo(
     steps: int = 12,
     limit: int = 8,
-    fine_tune_limit: int = 3,
     out_dir: str | Path = "runs/demo",
     model: str | None = None,
     max_new_tokens: int = 96,
     example_index: int = 0,
     device: str = "auto",
     dtype: str = "auto",
+    fine_tune_limit: int = 3,
 ) -> dict:
     """The main job: introduce, fine-tune `steps` steps (validated on 8 held-out examples),
     export, benchmark the export on `fine_tune_limit` held-out questions (it shows the pipeline

@@ -106,9 +106,14 @@ class PackedLinear(nn.Linear):
         return state
 
 
-# Packed weights by the address of the weight they pack, for the compiled operator (which sees
-# the weight tensor, not its layer): (the weight, weakly; its version when packed; the pack).
-_PACKS: dict[int, tuple] = {}
+# Packed weights by the address, shape, strides and dtype of the weight they pack, for the
+# compiled operator (which sees the weight tensor, not its layer): (the weight, weakly; its
+# version when packed; the pack).
+_PACKS: dict[tuple, tuple] = {}
+
+
+def _pack_key(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype
 
 
 def _packed(layer: nn.Linear) -> torch.Tensor:
@@ -126,27 +131,37 @@ def _packed(layer: nn.Linear) -> torch.Tensor:
 
 
 def _register_pack(weight: torch.Tensor, packed: torch.Tensor) -> None:
-    ptr = weight.data_ptr()
-    _PACKS[ptr] = (weakref.ref(weight), weight._version, packed)
-    weakref.finalize(weight, _drop_pack, ptr)  # the pack goes with its weight
+    key = _pack_key(weight)
+    entry = _PACKS.get(key)
+    known = entry is not None and entry[0]() is weight
+    _PACKS[key] = (weakref.ref(weight), weight._version, packed)
+    if not known:  # one finalizer per weight: the pack goes with it
+        weakref.finalize(weight, _drop_pack, key)
 
 
-def _drop_pack(ptr: int) -> None:
-    entry = _PACKS.get(ptr)
+def _drop_pack(key: tuple) -> None:
+    entry = _PACKS.get(key)
     if entry is not None and entry[0]() is None:
-        del _PACKS[ptr]
+        del _PACKS[key]
+
+
+def _forget_pack(weight: torch.Tensor) -> None:
+    key = _pack_key(weight)
+    entry = _PACKS.get(key)
+    if entry is not None and entry[0]() is weight:
+        del _PACKS[key]
 
 
 def _pack_of(weight: torch.Tensor) -> torch.Tensor:
     """The packed form of `weight` for the compiled operator: the one its layer packed when that
-    weight is alive at this address, unchanged since (same version, shape and dtype); else packed
-    now (and kept while the tensor lives)."""
-    entry = _PACKS.get(weight.data_ptr())
+    weight (this address, shape, strides and dtype: a transposed view of a square weight is
+    another entry) is alive and unchanged since (same version); else packed now (and kept while
+    the tensor lives)."""
+    entry = _PACKS.get(_pack_key(weight))
     if entry is not None:
         owner = entry[0]()
-        if (owner is not None and owner.data_ptr() == weight.data_ptr() and owner._version == entry[1]
-                and owner.shape == weight.shape and owner.dtype == weight.dtype):
-            return entry[2]
+        if owner is not None and owner._version == entry[1] and owner.data_ptr() == weight.data_ptr():
+            return entry[2]  # (a weight whose .data was replaced has moved: its old entry is stale)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
     _register_pack(weight, packed)
     return packed
@@ -215,6 +230,7 @@ def unpack_linear_layers(model: nn.Module) -> int:
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
             module.__dict__.pop("_streamspec_packed", None)
+            _forget_pack(module.weight)
             count += 1
     return count
 
@@ -252,7 +268,8 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     scores and the softmax in float32 (as the flash kernel accumulates), ~0.15 ms. Same results
     up to rounding in the order of the sums (in bfloat16 the error against float64 is the flash
     kernel's). Anything else (longer queries, no mask for several rows, dropout, soft caps,
-    position biases, attention sinks, another device) goes to transformers' ``sdpa`` unchanged.
+    position biases, attention sinks, key and value heads of other sizes, another device) goes to
+    transformers' ``sdpa`` unchanged.
     `query` [B, H, T, D]; `key`/`value` [B, KV, L, D]; returns [B, T, H, D] as ``sdpa`` does."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -260,7 +277,7 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if (rows > DECODE_ATTENTION_MAX_QUERIES or query.device.type != "cpu" or dropout
             or (attention_mask is None and rows > 1)
             or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux", "sinks"))
-            or query.shape[1] % key.shape[1]):
+            or query.shape[1] % key.shape[1] or key.shape[-1] != value.shape[-1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     batch, heads, _, dim = query.shape

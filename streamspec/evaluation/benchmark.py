@@ -405,17 +405,18 @@ def _medusa_model(folder: str, base_model):
 
 
 def _pack_for_cpu(*models) -> bool:
-    """Switch all the models to streamspec's CPU kernels (see `streamspec.kernels`): their linear
-    layers packed for oneDNN and the decoding attention, or none: False when one is on another
-    device or in a dtype this CPU does not pack, or this torch has no oneDNN."""
-    from ..kernels import pack_linear_layers, packed_dtypes, use_decode_attention
+    """Switch all the models to streamspec's CPU kernels (see `streamspec.kernels`), as
+    `streamspec.loading.load_for_inference` does: the decoding attention, and their linear layers
+    packed for oneDNN when this CPU packs their dtype. False (nothing switched) when one is on
+    another device or this torch has no oneDNN."""
+    from ..kernels import cpu_kernels_available, pack_linear_layers, packed_dtypes, use_decode_attention
 
+    if not cpu_kernels_available() or any(next(m.parameters()).device.type != "cpu" for m in models):
+        return False
+    pack = all(next(m.parameters()).dtype in packed_dtypes() for m in models)
     for m in models:
-        p = next(m.parameters())
-        if p.device.type != "cpu" or p.dtype not in packed_dtypes():
-            return False
-    for m in models:
-        pack_linear_layers(m)
+        if pack:
+            pack_linear_layers(m)
         use_decode_attention(m)
     return True
 

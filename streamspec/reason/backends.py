@@ -137,8 +137,9 @@ class Backend(ABC):
     @abstractmethod
     def judge(self, step: str, request: str | JudgeRequest | None = None) -> Judgement:
         """Keep `step` and read the answer distribution after the judging `request` (a name of
-        `streamspec.reason.judging.JUDGE_REQUESTS`; default the paper's 0-9 score); the request
-        itself is not kept."""
+        `streamspec.reason.judging.JUDGE_REQUESTS`; default `judging.DEFAULT_REQUEST`,
+        ``error_yes_no_fewshot``; ``"score_0_9"`` for the paper's 0-9 score); the request itself
+        is not kept."""
 
     def close(self) -> None:
         """Release what the backend holds (connections)."""

@@ -84,8 +84,10 @@ class JudgeRequest:
     def check_threshold(self, threshold: float, how: str) -> None:
         low, high = self.bounds.get(how, (None, None))
         if (low is not None and threshold < low) or (high is not None and threshold > high):
+            hint = ("; a threshold on the paper's 0-9 score goes with judge request 'score_0_9'"
+                    if self.name != "score_0_9" and 1 < threshold <= 9 else "")
             raise ValueError(f"a threshold for judge request {self.name!r} read as {how!r} must be in "
-                             f"[{low}, {high}], got {threshold!r}")
+                             f"[{low}, {high}], got {threshold!r}{hint}")
 
 
 _YES_NO = ("Yes", "No")

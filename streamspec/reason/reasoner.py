@@ -86,7 +86,10 @@ class SpecReasoner:
         paper's 0-9 score alone (``judge(step)``, no request) keeps working with that request and
         is refused, by name, with any other."""
         request = self.config.judge_request
-        if _takes_request(self.judge.judge):
+        takes = _takes_request(self.judge.judge)
+        if takes == "keyword":
+            return self.judge.judge(step, request=request)
+        if takes == "positional":
             return self.judge.judge(step, request)
         if request != "score_0_9":
             raise TypeError(f"{type(self.judge).__name__}.judge(step) takes no judge request, so it can only give "
@@ -234,13 +237,17 @@ def _spent(trace: ReasonTrace) -> int:
     return trace.tokens["draft_kept"] + trace.tokens["draft_rejected"] + trace.tokens["base"]
 
 
-def _takes_request(judge) -> bool:
-    """Whether a backend's ``judge`` accepts a second (request) argument."""
+def _takes_request(judge) -> str | None:
+    """How a backend's ``judge`` takes the request: ``"keyword"`` (a parameter named ``request``,
+    as `Backend.judge` has, or ``**kwargs``), ``"positional"`` (``*args``), or None (no such
+    parameter: ``judge(step)`` gives the 0-9 score; another parameter is not taken for it)."""
     try:
         params = list(inspect.signature(judge).parameters.values())
     except (TypeError, ValueError):
-        return True
+        return "positional"
+    if any(p.name == "request" and p.kind is not p.VAR_POSITIONAL for p in params) or any(
+            p.kind is p.VAR_KEYWORD for p in params):
+        return "keyword"
     if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return True
-    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
-
+        return "positional"
+    return None

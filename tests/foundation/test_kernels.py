@@ -141,6 +141,27 @@ def test_compiled_graphs_call_the_packed_operator_and_see_weight_changes(dtype):
         torch.testing.assert_close(step(x), F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
 
 
+def test_the_operator_tells_a_weight_from_its_transposed_view_and_unpacking_frees_packs():
+    """The operator finds a pack by the weight's address: a transposed view of a square weight
+    (same address, shape, dtype, version) is not served the weight's pack; unpacking a model
+    drops its packs."""
+    from streamspec.kernels import _PACKS, packed_linear
+
+    layer = nn.Linear(16, 16, bias=False).eval()
+    pack_linear_layers(layer)
+    x = torch.randn(3, 16)
+    mine = [key for key, entry in _PACKS.items() if entry[0]() is layer.weight]
+    assert len(mine) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(packed_linear(x, layer.weight), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed_linear(x, layer.weight.t()), F.linear(x, layer.weight.t()),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed_linear(x, layer.weight), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert _PACKS[mine[0]][0]() is layer.weight  # the view's pack did not replace the weight's
+    unpack_linear_layers(layer)
+    assert not any(entry[0]() is layer.weight for entry in _PACKS.values())
+
+
 def _ran_op(fn, name: str) -> bool:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()

@@ -57,8 +57,10 @@ def test_the_setting_defaults_to_the_requests_units_and_refuses_mismatches(tmp_p
     yes_no = ReasonConfig(judge_request="error_yes_no")
     assert (yes_no.threshold, yes_no.score) == (0.5, "p_no_error")
     assert ReasonConfig(judge_request="error_yes_no", score="log_odds", threshold=-2.0).threshold == -2.0
-    with pytest.raises(ValueError, match=r"\[0, 1\], got 7"):
+    with pytest.raises(ValueError, match=r"\[0, 1\], got 7.0; a threshold on the paper's 0-9 score goes with"):
         ReasonConfig(judge_request="error_yes_no", threshold=7)
+    with pytest.raises(ValueError, match="judge request 'score_0_9'"):
+        ReasonConfig(threshold=7)  # the default request reads a probability
     with pytest.raises(ValueError, match="one of \\['argmax', 'expected'\\]"):
         ReasonConfig(judge_request="score_0_9", score="p_no_error")
     with pytest.raises(ValueError, match="one of \\['p_no_error', 'log_odds'\\]"):

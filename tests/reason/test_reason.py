@@ -11,6 +11,7 @@ from streamspec import StreamConfig, add_streams
 from streamspec.reason.backends import Backend, Generation, Judgement, LocalBackend, TextStop, chat_frame
 from streamspec.reason.config import BackendConfig, ReasonConfig, load_reason_config
 from streamspec.reason.reasoner import SpecReasoner
+from streamspec.reason.judging import judge_request
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -262,3 +263,24 @@ def test_a_judge_without_requests_gives_only_the_0_9_score():
     trace = r.solve("p")
     assert trace.stop_reason == "error" and "takes no judge request" in trace.error
     assert "judge_request='score_0_9'" in trace.error
+
+
+def test_judges_take_the_request_by_name():
+    """A backend whose judge names its request (keyword-only too) gets it by name; one whose
+    second parameter is something else is not handed the request for it."""
+    class KeywordJudge(Scripted):
+        def judge(self, step, *, request=None):
+            assert request == "error_yes_no_fewshot"
+            self.text += step
+            return Judgement.of_answers(judge_request(request), {"Yes": 0.1, "No": 0.9}, "No", 3, 0.0)
+
+    class OtherParameter(Scripted):
+        def judge(self, step, max_tokens=8):
+            raise AssertionError("not to be called with a request in max_tokens")
+
+    drafter = Scripted(["d \\boxed{3}\n\n"], name="drafter")
+    kept = SpecReasoner(drafter, KeywordJudge(["b\n\n"]), ReasonConfig(token_budget=100, answer_max_tokens=4)).solve("p")
+    assert kept.stop_reason != "error" and kept.steps[0].author == "drafter"
+    refused = SpecReasoner(Scripted(["d\n\n"], name="drafter"), OtherParameter(["b\n\n"]),
+                           ReasonConfig(token_budget=100, answer_max_tokens=4)).solve("p")
+    assert refused.stop_reason == "error" and "takes no judge request" in refused.error
