@@ -126,6 +126,8 @@ def evaluate(problems: list[Problem], config: ReasonConfig, out_dir: str | Path,
 
 # settings a trace may differ in from the run's: the seed is per problem, the threshold per method name
 _PER_RUN = ("seed", "threshold")
+# settings only judged methods depend on (base only and drafter only runs are reused across them)
+_JUDGE_SETTINGS = ("judge_request", "score", "first_base_steps")
 
 
 def _check_settings(traces: list[ReasonTrace], config: ReasonConfig, path: Path) -> None:
@@ -136,7 +138,9 @@ def _check_settings(traces: list[ReasonTrace], config: ReasonConfig, path: Path)
     for trace in traces:
         if not trace.config:
             continue
-        differs = {k: (trace.config.get(k), v) for k, v in wanted.items() if k in trace.config and trace.config[k] != v}
+        unjudged = trace.method.partition("@")[0] in ("base_only", "drafter_only")  # the judge's settings do not matter
+        differs = {k: (trace.config.get(k), v) for k, v in wanted.items()
+                   if k in trace.config and trace.config[k] != v and not (unjudged and k in _JUDGE_SETTINGS)}
         if differs:
             detail = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differs.items())
             raise ValueError(f"{path} holds runs made with other settings ({detail}); resume with the same settings, "

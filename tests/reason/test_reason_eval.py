@@ -3,6 +3,7 @@ tokenizer: every method on the same problems, traces written as they finish, res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -139,9 +140,20 @@ def test_resuming_refuses_traces_made_with_other_settings(tiny_dir, tmp_path):
     problems = [Problem("a", "What is 2+3?", "5", "numeric")]
     cfg = ReasonConfig(token_budget=16, step_max_tokens=8, answer_max_tokens=4, temperature=0.0)
     evaluate(problems, cfg, tmp_path, base=base, drafter=None, progress=False)
-    other = ReasonConfig(token_budget=16, step_max_tokens=8, answer_max_tokens=4, temperature=0.0,
-                         judge_request="error_yes_no")
-    with pytest.raises(ValueError, match="judge_request: 'error_yes_no_fewshot' there, 'error_yes_no' now"):
+    other = ReasonConfig(token_budget=20, step_max_tokens=8, answer_max_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="token_budget: 16 there, 20 now"):
         evaluate(problems, other, tmp_path, base=base, drafter=None, progress=False)
-    # the same settings resume (nothing run again)
+    # the same settings resume (nothing run again); base-only runs do not depend on the judge's
+    another_judge = ReasonConfig(token_budget=16, step_max_tokens=8, answer_max_tokens=4, temperature=0.0,
+                                 judge_request="error_yes_no")
     assert len(evaluate(problems, cfg, tmp_path, base=base, drafter=None, progress=False)) == 1
+    assert len(evaluate(problems, another_judge, tmp_path, base=base, drafter=None, progress=False)) == 1
+    # a judged run made with another judge request is refused
+    from streamspec.reason.trace import ReasonTrace
+
+    judged = ReasonTrace(problem="What is 2+3?", method="specreason@0.4", problem_id="b",
+                         config=dataclasses.asdict(cfg))
+    with (tmp_path / TRACES_FILE).open("a") as handle:
+        handle.write(json.dumps(judged.to_dict()) + "\n")
+    with pytest.raises(ValueError, match="judge_request: 'error_yes_no_fewshot' there, 'error_yes_no' now"):
+        evaluate(problems, another_judge, tmp_path, base=base, drafter=None, progress=False)
