@@ -11,8 +11,9 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["streamspec", "streamspec.*"]),
-    # the shipped stream weights (streamspec.assets.shipped_streams_path)
-    package_data={"streamspec": ["weights/*/*.json", "weights/*/*.safetensors"]},
+    # the shipped stream weights (streamspec.assets.shipped_streams_path) and the C++ kernels
+    # built on first use (streamspec.native)
+    package_data={"streamspec": ["weights/*/*.json", "weights/*/*.safetensors", "csrc/*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "transformers>=5.20,<6",

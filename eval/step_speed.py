@@ -27,6 +27,7 @@ from streamspec.decoding import DecodeConfig, generate
 from streamspec.decoding.compiled import compiled_capacity
 from streamspec.decoding.lookup import PromptLookup
 from streamspec.evaluation.peers import floor_ms, kv_bytes_per_token, measure_read_bandwidth, weight_bytes
+from streamspec.kernels import pack_linear_layers, unpack_linear_layers, use_decode_attention
 from streamspec.loading import load_for_inference
 
 
@@ -40,10 +41,11 @@ def main() -> None:
     parser.add_argument("--lookup", default=None, metavar="L,M[,N]",
                         help="also the tree with these prompt-lookup branches, eager and compiled")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32 packed", "bfloat16 packed"],
-                        choices=["float32", "bfloat16", "float32 packed", "bfloat16 packed"],
+                        choices=["float32", "bfloat16", "float32 packed", "bfloat16 packed", "bfloat16 packed onednn"],
                         help="which models to run: torch's and transformers' default kernels, or ('packed') "
                              "streamspec's CPU kernels (streamspec.kernels: packed oneDNN layers, the decoding "
-                             "attention); the reference for agreement is float32 one token when run")
+                             "attention; 'onednn': bf16 layers on oneDNN alone and attention on torch's operators, without "
+                             "streamspec's own kernels, streamspec.native); the reference for agreement is float32 one token when run")
     parser.add_argument("--out", default=None, help="a JSON file for the figures")
     args = parser.parse_args()
     tree = tuple(int(x) for x in args.tree_top_k.split(","))
@@ -53,6 +55,12 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):  # what streamspec runs by default on a CPU: its own kernels
         if f"{dtype} packed" in args.dtypes:
             models[f"{dtype} packed"] = load_for_inference(args.checkpoint, dtype=dtype)
+    if "bfloat16 packed onednn" in args.dtypes:
+        onednn = load_for_inference(args.checkpoint, dtype="bfloat16")
+        unpack_linear_layers(onednn.model)
+        pack_linear_layers(onednn.model, own_kernel=False)
+        use_decode_attention(onednn.model, own_kernel=False)
+        models["bfloat16 packed onednn"] = onednn
     tokenizer = next(iter(models.values())).tokenizer
     eos = tokenizer.eos_token_id
     rows = task_rows(args.task, "test")[: args.limit]

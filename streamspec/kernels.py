@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
+
 # Rows the packed layout is tuned for; any number of rows works (measured: 4..64 all alike).
 _PACK_HINT = 16
 
@@ -96,7 +98,7 @@ class PackedLinear(nn.Linear):
             return F.linear(x, w, b)
         if torch.compiler.is_compiling():
             return torch.ops.streamspec.packed_linear(x, w, b)
-        return torch.ops.mkldnn._linear_pointwise(x, _packed(self), b, "none", [], "")
+        return _run_packed(x, _packed(self), w.shape[0], b)
 
     def __getstate__(self):
         # Copies and pickles leave the packed weight behind (an opaque oneDNN tensor); they pack
@@ -116,21 +118,40 @@ def _pack_key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype
 
 
-def _packed(layer: nn.Linear) -> torch.Tensor:
-    """The layer's packed weight, packed again when the weight was replaced or changed in place
-    (known by the weight's storage address and version counter: a new tensor that happened to
+def _make_pack(weight: torch.Tensor, own: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(oneDNN's packed weight, streamspec's own bf16 layout or None): the second for bf16 weights
+    where `streamspec.native.bf16_linear` runs (passes of up to `native.MAX_ROWS` rows take it),
+    unless `own` is False."""
+    w = weight.detach()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT)
+    kernel = native.bf16_linear() if own and w.dtype == torch.bfloat16 else None
+    return onednn, (kernel.pack(w) if kernel is not None else None)
+
+
+def _run_packed(x: torch.Tensor, packs: tuple, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    onednn, own = packs
+    if own is not None and x.numel() <= native.MAX_ROWS * x.shape[-1]:
+        return native.bf16_linear().linear(x, own, out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+
+
+def _packed(layer: nn.Linear, own: bool | None = None) -> tuple:
+    """The layer's packs (`_make_pack`), made again when the weight was replaced or changed in
+    place (known by the weight's storage address and version counter: a new tensor that happened to
     reuse the old address with the same version would go unseen, as would a ``.data`` change)."""
     w = layer.weight
     key = (w.data_ptr(), w._version)
     cached = layer.__dict__.get("_streamspec_packed")
+    if own is None:  # as the layer was packed (`pack_linear_layers(own_kernel=...)`)
+        own = layer.__dict__.get("_streamspec_own", True)
     if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT))
+        cached = (key, _make_pack(w, own))
         layer.__dict__["_streamspec_packed"] = cached  # a plain attribute: not a parameter or buffer
         _register_pack(w, cached[1])
     return cached[1]
 
 
-def _register_pack(weight: torch.Tensor, packed: torch.Tensor) -> None:
+def _register_pack(weight: torch.Tensor, packed: tuple) -> None:
     key = _pack_key(weight)
     entry = _PACKS.get(key)
     known = entry is not None and entry[0]() is weight
@@ -152,7 +173,7 @@ def _forget_pack(weight: torch.Tensor) -> None:
         del _PACKS[key]
 
 
-def _pack_of(weight: torch.Tensor) -> torch.Tensor:
+def _pack_of(weight: torch.Tensor) -> tuple:
     """The packed form of `weight` for the compiled operator: the one its layer packed when that
     weight (this address, shape, strides and dtype: a transposed view of a square weight is
     another entry) is alive and unchanged since (same version); else packed now (and kept while
@@ -162,13 +183,14 @@ def _pack_of(weight: torch.Tensor) -> torch.Tensor:
         owner = entry[0]()
         if owner is not None and owner._version == entry[1] and owner.data_ptr() == weight.data_ptr():
             return entry[2]  # (a weight whose .data was replaced has moved: its old entry is stale)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT)
+    # a stale entry's weight is packed again as it was (with or without streamspec's own kernel)
+    packed = _make_pack(weight, own=entry is None or entry[2][1] is not None)
     _register_pack(weight, packed)
     return packed
 
 
 def _packed_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, _pack_of(weight), bias, "none", [], "")
+    return _run_packed(x, _pack_of(weight), weight.shape[0], bias)
 
 
 # A plain library operator (a CPU kernel and a shape function), not `torch.library.custom_op`:
@@ -190,7 +212,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.streamspec.packed_linear(x, weight, bias)
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def pack_linear_layers(model: nn.Module, own_kernel: bool = True) -> int:
     """Switch every CPU `nn.Linear` of `model` in a dtype of `packed_dtypes` (float32, and bfloat16
     on CPUs with native bf16) to `PackedLinear` and pack its weight now (so the first timed call
     does not pay for it). Layers on another device or in another dtype, and subclasses of
@@ -200,6 +222,10 @@ def pack_linear_layers(model: nn.Module) -> int:
     Pack after the weights are final (loaded, LoRA merged). A weight changed in place through
     autograd-visible ops (``copy_``, ``load_state_dict``) is packed again at its next call; one
     changed through ``.data`` is not seen: call this again (it re-packs packed layers).
+
+    bfloat16 layers also get streamspec's own kernel for passes of a few rows where it runs
+    (`streamspec.native`; it costs the weights' memory once more); ``own_kernel=False`` keeps
+    them on oneDNN alone (to compare the two).
 
     Raises RuntimeError when this torch build has no oneDNN (see `cpu_kernels_available`).
     """
@@ -212,6 +238,7 @@ def pack_linear_layers(model: nn.Module) -> int:
                 and module.weight.dtype in dtypes):
             module.__class__ = PackedLinear
             module.__dict__.pop("_streamspec_packed", None)  # packing again picks up any change
+            module.__dict__["_streamspec_own"] = own_kernel
             _packed(module)
             count += 1
     return count
@@ -230,6 +257,7 @@ def unpack_linear_layers(model: nn.Module) -> int:
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
             module.__dict__.pop("_streamspec_packed", None)
+            module.__dict__.pop("_streamspec_own", None)
             _forget_pack(module.weight)
             count += 1
     return count
@@ -282,8 +310,17 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                                       is_causal=is_causal, **kwargs)
     batch, heads, _, dim = query.shape
     groups, length = key.shape[1], key.shape[2]
-    per_group = heads // groups
     scale = scaling if scaling is not None else dim ** -0.5
+    if (native.ready() and getattr(module, "_streamspec_native_attention", True)
+            and query.dtype == key.dtype == value.dtype == torch.bfloat16 and dim <= 256
+            and key.stride(-1) == 1 and value.stride(-1) == 1):
+        mask = None
+        if attention_mask is not None:  # an additive float32 mask, broadcast to [B, H, T, L] by the kernel
+            mask = attention_mask[..., :length]
+            mask = (torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+                    if mask.dtype == torch.bool else mask.float())
+        return torch.ops.streamspec.decode_attention(query, key, value, mask, float(scale)), None
+    per_group = heads // groups
     q = query.reshape(batch, groups, per_group * rows, dim).float()
     scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale).view(batch, groups, per_group, rows, length)
     if attention_mask is not None:
@@ -298,6 +335,20 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     return out.view(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
+def _decode_attention_cpu(query, key, value, mask, scale):
+    return native.bf16_linear().decode_attention(query, key, value, mask, scale)
+
+
+_LIBRARY.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
+_LIBRARY.impl("decode_attention", _decode_attention_cpu, "CPU")
+
+
+@torch.library.register_fake("streamspec::decode_attention")
+def _decode_attention_shape(query, key, value, mask, scale):
+    batch, heads, rows, dim = query.shape
+    return query.new_empty((batch, rows, heads, dim))
+
+
 def _register_decode_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
@@ -309,15 +360,22 @@ def _register_decode_attention() -> None:
 _register_decode_attention()
 
 
-def use_decode_attention(model: nn.Module) -> bool:
+def use_decode_attention(model: nn.Module, own_kernel: bool = True) -> bool:
     """Switch `model` (a transformers model, or a streamed model around one) from ``sdpa`` to
     `decode_attention_forward` (registered with transformers as ``"streamspec_sdpa"``), for decoding on
     a CPU. True when switched (or already so); a model with another attention implementation
-    (``eager``, flash kernels) is left as it is (False). Undo with `use_sdpa_attention`."""
+    (``eager``, flash kernels) is left as it is (False). Undo with `use_sdpa_attention`.
+    In bfloat16 its passes run streamspec's own attention kernel (`streamspec.native`) where it
+    builds, unless `own_kernel` is False (torch's operators, to compare the two)."""
     config = getattr(getattr(model, "hf_model", model), "config", None)
     if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", DECODE_ATTENTION):
         return False
     config._attn_implementation = DECODE_ATTENTION
+    for layer in model.modules():  # the attention layers (a plain attribute: nothing saved changes)
+        if hasattr(layer, "layer_idx") and hasattr(layer, "config"):
+            layer.__dict__["_streamspec_native_attention"] = bool(own_kernel)
+    if own_kernel and any(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters()):
+        native.bf16_linear()  # bf16 passes take streamspec's own attention kernel where it builds
     return True
 
 

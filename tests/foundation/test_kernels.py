@@ -116,9 +116,12 @@ def test_bfloat16_layers_are_packed_and_match():
     reference = nn.Linear(48, 96).to(torch.bfloat16)
     reference.load_state_dict(layer.state_dict())
     assert pack_linear_layers(layer) == 1 and type(layer) is PackedLinear
-    x = torch.randn(3, 48, dtype=torch.bfloat16)
     with torch.no_grad():
+        # passes of more rows than streamspec's own bf16 kernel takes (tests/foundation/test_native.py) run oneDNN
+        x = torch.randn(9, 48, dtype=torch.bfloat16)
         assert _ran_packed_kernel(lambda: layer(x))
+        torch.testing.assert_close(layer(x), reference(x), rtol=2e-2, atol=2e-2)
+        x = torch.randn(2, 48, dtype=torch.bfloat16)  # either kernel, the same product
         torch.testing.assert_close(layer(x), reference(x), rtol=2e-2, atol=2e-2)
 
 
@@ -171,15 +174,25 @@ def _ran_op(fn, name: str) -> bool:
 @pytest.mark.parametrize("rows", [1, 3, 12])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["float", "bool", "per_head", "none"])
-def test_decode_attention_equals_sdpa(rows, dtype, mask_kind):
+@pytest.mark.parametrize("own_kernel", [False, True])
+def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkeypatch):
     """The grouped decoding attention computes what transformers' sdpa computes (grouped-query
-    heads, additive, boolean and per-head masks, no mask for one row), within rounding."""
+    heads, additive, boolean and per-head masks, no mask for one row), within rounding: on
+    torch's operators, and in bf16 on streamspec's own kernel (`streamspec.native`)."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from streamspec import native
+
     if mask_kind == "none" and rows > 1:
         pytest.skip("several rows without a mask go to sdpa itself")
+    if own_kernel:
+        if dtype != torch.bfloat16 or not native.cpu_has_avx512_bf16():
+            pytest.skip("streamspec's own attention kernel runs bf16 on CPUs with AVX-512 BF16")
+        assert native.bf16_linear() is not None, "streamspec's kernels did not build on a CPU with AVX-512 BF16"
+    if not own_kernel:
+        monkeypatch.setattr(native, "_MODULE", None)
     torch.manual_seed(rows)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
     q = torch.randn(2, 6, rows, 16, dtype=dtype)

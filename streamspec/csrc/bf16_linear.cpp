@@ -1,0 +1,231 @@
+// streamspec's bfloat16 linear kernel for decoding on CPUs with AVX-512 BF16.
+//
+// A decoding pass multiplies a few rows (one token, a draft tree) by every weight of the model:
+// the time is reading the weights. oneDNN's bf16 inner product streamed ~9 GB/s of the ~27 GB/s
+// one core of this project's machines reads; this kernel reads a weight as one sequential stream,
+// laid out once by `pack` as [N/8][K/32][8][32] (8 output rows, 32 inputs a block; N and K padded
+// with zeros), and keeps up to three input rows' accumulators in registers, so each weight block
+// is loaded once for three rows. Products of bf16 pairs accumulate in float32
+// (`vdpbf16ps`); the output is rounded to bfloat16 once, after the bias.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 8;    // output rows a block
+constexpr int64_t kDepth = 32;  // inputs a block (one 512-bit register of bf16)
+
+bool cpu_supported() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack: the weight must be 2-D (out_features, in_features), got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack: the weight must be bfloat16, got ", weight.scalar_type());
+  TORCH_CHECK(weight.device().is_cpu(), "pack: the weight must be on the CPU");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t np = (n + kRows - 1) / kRows * kRows, kp = (k + kDepth - 1) / kDepth * kDepth;
+  auto padded = torch::zeros({np, kp}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({np / kRows, kRows, kp / kDepth, kDepth}).permute({0, 2, 1, 3}).contiguous();
+}
+
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline void rows_block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t kb,
+                       __mmask32 tail, float* out /* [MB][kRows] */) {
+  // (the loops below are unrolled so that GCC keeps the accumulators in registers: as an array
+  // walked by loops it kept them on the stack, a store after every product)
+  __m512 acc[MB][kRows];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < kb; ++d) {
+    const __mmask32 mask = d + 1 == kb ? tail : (__mmask32)0xFFFFFFFFu;
+    __m512bh xv[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m)
+      xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void*)(x + m * ldx + d * kDepth));
+    const at::BFloat16* wd = w + d * kRows * kDepth;
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wd + r * kDepth));
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) out[m * kRows + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void blocks(const at::BFloat16* x, int64_t rows, int64_t k, const at::BFloat16* w, const at::BFloat16* bias,
+            at::BFloat16* out, int64_t n, int64_t b0, int64_t b1) {
+  const int64_t kb = (k + kDepth - 1) / kDepth;
+  const int64_t rem = k - (kb - 1) * kDepth;
+  const __mmask32 tail = rem == kDepth ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1u);
+  float sums[3 * kRows];
+  for (int64_t b = b0; b < b1; ++b) {
+    const at::BFloat16* wb = w + b * kb * kRows * kDepth;
+    for (int64_t m = 0, passes = (rows + 2) / 3; m < rows; --passes) {
+      const int64_t mb = (rows - m + passes - 1) / passes;  // rows spread evenly: 4 = 2 + 2, not 3 + 1
+      if (mb == 3) rows_block<3>(x + m * k, k, wb, kb, tail, sums);
+      else if (mb == 2) rows_block<2>(x + m * k, k, wb, kb, tail, sums);
+      else rows_block<1>(x + m * k, k, wb, kb, tail, sums);
+      for (int64_t i = 0; i < mb; ++i) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int64_t col = b * kRows + r;
+          if (col < n) {
+            const float v = sums[i * kRows + r] + (bias != nullptr ? static_cast<float>(bias[col]) : 0.f);
+            out[(m + i) * n + col] = at::BFloat16(v);
+          }
+        }
+      }
+      m += mb;
+    }
+  }
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "linear: x and the packed weight must be bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * kDepth >= x.size(-1) && packed.size(0) * kRows >= n,
+              "linear: the packed weight ", packed.sizes(), " does not fit x ", x.sizes(), " and ", n, " outputs");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK((k + kDepth - 1) / kDepth == packed.size(1), "linear: x has ", k, " inputs, the weight ",
+              packed.size(2) * kDepth, " (padded)");
+  auto x2 = x.reshape({-1, k}).contiguous();
+  const int64_t rows = x2.size(0);
+  auto out = torch::empty({rows, n}, x.options());
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == n, "linear: the bias must be bfloat16 with ", n, " values");
+  }
+  const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t nb = (n + kRows - 1) / kRows;
+  if (rows > 0) {
+    at::parallel_for(0, nb, 16, [&](int64_t b0, int64_t b1) { blocks(xp, rows, k, wp, bp, op, n, b0, b1); });
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
+
+// -- attention of a decoding pass ----------------------------------------------------------------
+// A few query rows (one token, a draft tree) against a long cache, bf16 q/k/v: scores, softmax and
+// the weighted sum of values in float32, the output rounded to bf16 once. Each key-value head's
+// keys and values are read in place (no float32 copies of the cache, no copies per query head).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v,
+                int64_t v_stride, const float* mask, int64_t mask_stride, int64_t length, int64_t dim,
+                float scale, float* scores, float* acc, at::BFloat16* out) {
+  const int64_t chunks = (dim + 31) / 32;
+  const int64_t rem = dim - (chunks - 1) * 32;
+  const __mmask32 tail = rem == 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1u);
+  __m512bh qv[8];  // dim <= 256
+  for (int64_t c = 0; c < chunks; ++c)
+    qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(c + 1 == chunks ? tail : (__mmask32)0xFFFFFFFFu, q + c * 32);
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < length; ++l) {
+    const at::BFloat16* kl = k + l * k_stride;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c)
+      a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(c + 1 == chunks ? tail : (__mmask32)0xFFFFFFFFu, kl + c * 32));
+    float s = _mm512_reduce_add_ps(a) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
+    scores[l] = s;
+    best = std::max(best, s);
+  }
+  const int64_t vecs = (dim + 15) / 16;
+  for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(acc + c * 16, _mm512_setzero_ps());
+  if (best == -std::numeric_limits<float>::infinity()) {  // a row that may see nothing: zeros, as sdpa
+    for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(0.f);
+    return;
+  }
+  float total = 0.f;
+  for (int64_t l = 0; l < length; ++l) {
+    const float p = std::exp(scores[l] - best);
+    total += p;
+    if (p == 0.f) continue;
+    const __m512 pv = _mm512_set1_ps(p);
+    const at::BFloat16* vl = v + l * v_stride;
+    for (int64_t c = 0; c < vecs; ++c) {
+      const int64_t left = dim - c * 16;
+      const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+      const __m256i raw = _mm256_maskz_loadu_epi16(m, vl + c * 16);
+      const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      _mm512_storeu_ps(acc + c * 16, _mm512_fmadd_ps(pv, vf, _mm512_loadu_ps(acc + c * 16)));
+    }
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(acc[d] * inv);
+}
+
+torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                               const c10::optional<torch::Tensor>& mask, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+                  value.scalar_type() == at::kBFloat16, "decode_attention: query, key and value must be bfloat16");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "decode_attention: [batch, heads, rows, dim] tensors");
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t groups = key.size(1), length = key.size(2);
+  TORCH_CHECK(key.size(0) == batch && value.size(0) == batch && value.size(1) == groups && value.size(2) == length &&
+                  key.size(3) == dim && value.size(3) == dim && heads % groups == 0 && dim <= 256,
+              "decode_attention: shapes do not fit: query ", query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "decode_attention: keys and values must be contiguous in their last dim");
+  auto q = query.contiguous();
+  torch::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4, "decode_attention: the mask must be a 4-D float32 additive mask");
+    m = mask->narrow(3, 0, length).expand({batch, heads, rows, length});
+  }
+  auto out = torch::empty({batch, rows, heads, dim}, query.options());
+  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
+  const at::BFloat16* kp = key.data_ptr<at::BFloat16>();
+  const at::BFloat16* vp = value.data_ptr<at::BFloat16>();
+  const float* mp = m.defined() ? m.data_ptr<float>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t per_group = heads / groups;
+  at::parallel_for(0, batch * heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(length), acc((dim + 15) / 16 * 16);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / heads, h = i % heads, g = h / per_group;
+      const at::BFloat16* kb = kp + b * key.stride(0) + g * key.stride(1);
+      const at::BFloat16* vb = vp + b * value.stride(0) + g * value.stride(1);
+      for (int64_t t = 0; t < rows; ++t) {
+        const float* mrow = mp != nullptr ? mp + b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : nullptr;
+        attend_row(qp + ((b * heads + h) * rows + t) * dim, kb, key.stride(2), vb, value.stride(2), mrow,
+                   mp != nullptr ? m.stride(3) : 0, length, dim, static_cast<float>(scale), scores.data(), acc.data(),
+                   op + ((b * rows + t) * heads + h) * dim);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX-512 BF16");
+  m.def("pack", &pack, "lay a bfloat16 (out, in) weight out for `linear`");
+  m.def("linear", &linear, "x @ weight.T (+ bias) with a weight laid out by `pack`");
+  m.def("decode_attention", &decode_attention, "attention of a few bf16 query rows against a cache, [B, T, H, D] out");
+}

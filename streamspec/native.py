@@ -1,0 +1,84 @@
+"""streamspec's own C++ CPU kernels, built on first use, for decoding passes of a few rows in
+bfloat16 on CPUs with AVX-512 BF16 (`streamspec/csrc/bf16_linear.cpp`): a linear layer, and the
+attention of a few query rows against the cache.
+
+oneDNN's bf16 inner product, the best torch offers for one row on a CPU, read this project's
+model at ~9 GB/s on one core of a machine whose core reads ~27 GB/s: a decoding pass costs what
+its weights' reading costs, so that gap is the step's. The kernel lays each weight out once as
+one sequential stream and reads it at ~21 GB/s for one to three rows (`python eval/linear_kernels.py`
+compares them on a machine). `streamspec.kernels.pack_linear_layers` uses it beside oneDNN's pack
+for bf16 layers: passes of up to `MAX_ROWS` rows take it, longer ones oneDNN. The attention
+(`streamspec.kernels.decode_attention_forward`, bf16 passes of up to 32 rows) reads each key-value
+head's cached keys and values in place, with the scores, softmax and sums in float32, where the
+torch path copied the whole cache to float32 in every layer of every pass.
+
+It is compiled with the C++ compiler torch's extensions use (``torch.utils.cpp_extension``, ninja)
+into torch's extension cache the first time a process needs it (~30 s, a line on stderr says so)
+and loaded from there afterwards (rebuilt when the source changes). Where the CPU has no AVX-512
+BF16, the build fails, or ``STREAMSPEC_NATIVE_KERNELS=0`` is set, `bf16_linear` is None and the
+layers keep oneDNN (a warning says why when the build failed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.cpp"
+#: Passes of at most this many rows take the kernel (one token and its three streams; it keeps up to
+#: three rows in registers, reading a weight block once for each such group of rows; from five
+#: rows on oneDNN is as fast).
+MAX_ROWS = 4
+_UNSET = object()
+_MODULE = _UNSET
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU reports AVX-512 BF16 (read from /proc/cpuinfo; False where that is absent)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+            break
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+
+
+def ready() -> bool:
+    """Whether the kernel is built and loaded in this process (without trying to build it)."""
+    return _MODULE is not None and _MODULE is not _UNSET
+
+
+def bf16_linear():
+    """The built kernel module (``pack(weight)``, ``linear(x, packed, out_features, bias)``), or
+    None where it cannot run here (see the module's docstring). Built at most once a process."""
+    global _MODULE
+    if _MODULE is not _UNSET:
+        return _MODULE
+    _MODULE = None
+    if os.environ.get("STREAMSPEC_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    if not cpu_has_avx512_bf16():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir = Path(cpp_extension._get_build_directory("streamspec_bf16_linear", verbose=False))
+        if not any(build_dir.glob("streamspec_bf16_linear*.so")):
+            print("streamspec: building its bf16 CPU kernel (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
+        module = cpp_extension.load(name="streamspec_bf16_linear", sources=[str(_SOURCE)],
+                                    extra_cflags=["-O3"], verbose=False)
+        if not module.cpu_supported():
+            return None
+    except Exception as error:  # no compiler, no ninja, no headers: oneDNN stays
+        warnings.warn(f"streamspec's bf16 CPU kernel could not be built ({type(error).__name__}: {error}); "
+                      "bf16 layers use oneDNN. Set STREAMSPEC_NATIVE_KERNELS=0 to skip the attempt.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    _MODULE = module
+    return module
