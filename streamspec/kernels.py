@@ -311,7 +311,7 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     batch, heads, _, dim = query.shape
     groups, length = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim ** -0.5
-    if (native.ready() and getattr(module, "_streamspec_native_attention", True)
+    if (rows <= native.ATTENTION_MAX_ROWS and native.ready() and getattr(module, "_streamspec_native_attention", True)
             and query.dtype == key.dtype == value.dtype == torch.bfloat16 and dim <= 256
             and key.stride(-1) == 1 and value.stride(-1) == 1):
         mask = None

@@ -16,6 +16,7 @@ per size) with a static depth, and its structure and tokens are tensors the comp
 
 from __future__ import annotations
 
+import contextlib
 from functools import lru_cache
 
 import torch
@@ -28,6 +29,19 @@ from .sampling import Sampler
 from .tree import DraftTree, padded_tree
 from .verify import verify_on_device as _verify
 
+def _checked_once(checked: bool):
+    """Inside a decoding loop, after its first compiled pass ran dynamo's guards in full: the
+    loop's later passes call the same graphs with the same model, shapes and settings (only the
+    tensors' values move), so they run only the guards that tell cached graphs apart (torch's
+    ``skip_guard_eval_unsafe`` stance; ~2 ms a pass of guards on this project's CPU otherwise).
+    The current stance (e.g. a user's ``force_eager``) is kept. A model changed between two
+    generations meets every guard again at the next generation's first pass."""
+    if not checked:
+        return contextlib.nullcontext()
+    current = torch._dynamo.eval_frame._stance
+    return torch.compiler.set_stance(current.stance, skip_guard_eval_unsafe=True, force_backend=current.backend)
+
+
 def _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler, tree, width,
                         stop, on_tokens, clock, backend, out, new_ids):
     """The loop of `speculate` after the prefill, one compiled `_tree_pass` call per pass."""
@@ -38,15 +52,17 @@ def _speculate_compiled(model, cache, past, root, candidates, generated, ended, 
     # the graph's identity for the compile notice (host values only: no read from the device per pass)
     graph = _graph_key(model, ("tree", tree.size, tree.depth_limit, width), capacity, sampler, backend)
     what = f"a {tree.size}-node tree, cache of {capacity}"
+    checked = False
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         while len(generated) < max_new_tokens and not ended:
             start = clock()
             if past + tree.size > capacity:  # pragma: no cover - the capacity was reserved for this
                 raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
             past_t = torch.tensor(past, dtype=torch.long, device=device)
-            with _CompileNotice(graph, what):
+            with _CompileNotice(graph, what), _checked_once(checked):
                 path, accepted, root, candidates = step(model, *cache.buffers, past_t, root, candidates, tree,
                                                         sampler, key, width)
+            checked = True
             forward_done = clock()
             summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
             new = summary[1 : summary[0] + 2]
@@ -149,6 +165,7 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
     sizes = host_tree_sizes(stream_nodes, lookup, most_nodes)
     with_scores = tree_budget is not None
     summary_length = depth_limit + 2
+    checked: set[int] = set()  # the sizes whose graph a pass of this loop has called
 
     def graph_of(size):
         return _graph_key(model, ("host tree", size, depth_limit, draft_depth, width, with_scores), capacity,
@@ -178,8 +195,10 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
                                   device=device)
             if past + size > capacity:  # pragma: no cover - the capacity was reserved for this
                 raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
-            path, flat = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), tokens,
-                              tree, sampler, key, width, draft_depth, with_scores)
+            with _checked_once(size in checked):  # each size's first pass of this loop: every guard
+                path, flat = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), tokens,
+                                  tree, sampler, key, width, draft_depth, with_scores)
+            checked.add(size)
             forward_done = clock()
             summary, host_candidates, host_scores = split_host_read(read_to_host(flat), summary_length, width,
                                                                     draft_depth, with_scores)
@@ -243,12 +262,14 @@ def _autoregressive_compiled(model, input_ids, max_new_tokens, stop: set[int], s
     past = n
     capacity = cache.capacity  # fixed by the reservation: one graph for the whole generation
     graph, what = _graph_key(model, "token", capacity, sampler, backend), f"one token per pass, cache of {capacity}"
+    checked = False
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         while len(generated) < max_new_tokens and generated[-1] not in stop:
             start = clock()
-            with _CompileNotice(graph, what):
+            with _CompileNotice(graph, what), _checked_once(checked):
                 token = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), token,
                              sampler, key)
+            checked = True
             forward_done = clock()
             generated.append(read_to_host(token)[0])
             past += 1

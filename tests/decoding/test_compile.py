@@ -110,6 +110,35 @@ def test_one_token_per_pass_compiled_equals_uncompiled(models, arch, backend, ca
     assert sampled.tokens.tolist() == generate(model, ids, 16, speculative=False, **sampler).tokens.tolist()
 
 
+@pytest.mark.parametrize("options", [dict(speculative=False), dict(tree_top_k=(2, 1, 1)),
+                                     dict(tree_top_k=(2, 1, 1), lookup="6,2")])
+def test_later_passes_skip_guards_but_never_mix_up_models_or_stances(options):
+    """A loop's later passes run only the guards that tell cached graphs apart (after its first
+    pass ran them all): two models of the same shape, alternated, each still decode their own
+    tokens; a weight changed between generations is seen; a user's force_eager stance is kept."""
+    from streamspec.decoding.lookup import PromptLookup
+
+    options = {k: PromptLookup.parse(v) if k == "lookup" else v for k, v in options.items()}
+    first, second = _streamed("llama"), _streamed("llama")
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids = _repetitive_ids(seed=6)
+    expected = {id(m): generate(m, ids, 20, **options).tokens.tolist() for m in (first, second)}
+    assert expected[id(first)] != expected[id(second)]
+    for model in (first, second, first, second):
+        assert generate(model, ids, 20, compile="aot_eager", **options).tokens.tolist() == expected[id(model)]
+    with torch.no_grad():
+        second.streams.stream_embeddings.mul_(3.0)
+    assert (generate(second, ids, 20, compile="aot_eager", **options).tokens.tolist()
+            == generate(second, ids, 20, **options).tokens.tolist())
+    with torch.compiler.set_stance("force_eager"):
+        before = _graphs()
+        assert generate(first, ids, 20, compile="aot_eager", **options).tokens.tolist() == expected[id(first)]
+        assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+    assert _graphs() == before
+
+
 def _repetitive_ids(seed: int, length: int = 24):
     """A prompt that repeats itself, so that lookup branches are found (and accepted) often."""
     part = random_ids(1, 6, seed=seed)
