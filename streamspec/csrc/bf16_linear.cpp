@@ -135,49 +135,117 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 // A few query rows (one token, a draft tree) against a long cache, bf16 q/k/v: scores, softmax and
 // the weighted sum of values in float32, the output rounded to bf16 once. Each key-value head's
 // keys and values are read in place (no float32 copies of the cache, no copies per query head).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v,
-                int64_t v_stride, const float* mask, int64_t mask_stride, int64_t length, int64_t dim,
-                float scale, float* scores, float* acc, at::BFloat16* out) {
-  const int64_t chunks = (dim + 31) / 32;
-  const int64_t rem = dim - (chunks - 1) * 32;
-  const __mmask32 tail = rem == 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << rem) - 1u);
-  __m512bh qv[8];  // dim <= 256
-  for (int64_t c = 0; c < chunks; ++c)
-    qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(c + 1 == chunks ? tail : (__mmask32)0xFFFFFFFFu, q + c * 32);
-  float best = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < length; ++l) {
+#define SS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// 16 vectors of partial sums -> one vector of their 16 totals (lane j: the sum of v[j]), by
+// halving: 30 lane permutations and 15 additions for 16 dot products, where a horizontal sum
+// each would take ~8 dependent instructions.
+SS_TARGET inline __m512 sum16(__m512* v) {
+  const __m512i a_lo = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i a_hi = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i b_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i b_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i c_lo = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i c_hi = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const __m512i d_lo = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i d_hi = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    v[j] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * j], a_lo, v[2 * j + 1]), _mm512_permutex2var_ps(v[2 * j], a_hi, v[2 * j + 1]));
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+    v[j] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * j], b_lo, v[2 * j + 1]), _mm512_permutex2var_ps(v[2 * j], b_hi, v[2 * j + 1]));
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j)
+    v[j] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * j], c_lo, v[2 * j + 1]), _mm512_permutex2var_ps(v[2 * j], c_hi, v[2 * j + 1]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(v[0], d_lo, v[1]), _mm512_permutex2var_ps(v[0], d_hi, v[1]));
+}
+
+SS_TARGET inline __m512 bf16_to_f32(const at::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// One query row against `length` keys: `V` 16-lane vectors of the head's dim (dim <= 16 V).
+template <int V>
+SS_TARGET void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v,
+                          int64_t v_stride, const float* mask, int64_t mask_stride, int64_t length, int64_t dim,
+                          float scale, float* scores, at::BFloat16* out) {
+  constexpr int C = (V + 1) / 2;  // 32-wide bf16 chunks of the dim
+  __mmask32 kmask[C];
+  __m512bh qv[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    const int64_t left = dim - c * 32;
+    kmask[c] = left >= 32 ? (__mmask32)0xFFFFFFFFu : left <= 0 ? (__mmask32)0 : (__mmask32)((1u << left) - 1u);
+    qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], q + c * 32);
+  }
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 best_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t l = 0;
+  for (; l + 16 <= length; l += 16) {
+    __m512 part[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const at::BFloat16* kl = k + (l + j) * k_stride;
+      __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], kl + c * 32));
+      part[j] = a;
+    }
+    __m512 sv = _mm512_mul_ps(sum16(part), scale_v);
+    if (mask != nullptr) {
+      if (mask_stride == 1) sv = _mm512_add_ps(sv, _mm512_loadu_ps(mask + l));
+      else for (int j = 0; j < 16; ++j) sv[j] += mask[(l + j) * mask_stride];
+    }
+    _mm512_storeu_ps(scores + l, sv);
+    best_v = _mm512_max_ps(best_v, sv);
+  }
+  float best = _mm512_reduce_max_ps(best_v);
+  for (; l < length; ++l) {
     const at::BFloat16* kl = k + l * k_stride;
     __m512 a = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c)
-      a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(c + 1 == chunks ? tail : (__mmask32)0xFFFFFFFFu, kl + c * 32));
-    float s = _mm512_reduce_add_ps(a) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
+    for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], kl + c * 32));
+    const float s = _mm512_reduce_add_ps(a) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
     scores[l] = s;
     best = std::max(best, s);
   }
-  const int64_t vecs = (dim + 15) / 16;
-  for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(acc + c * 16, _mm512_setzero_ps());
   if (best == -std::numeric_limits<float>::infinity()) {  // a row that may see nothing: zeros, as sdpa
     for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(0.f);
     return;
   }
+  __mmask16 vmask[V];
+  __m512 acc[V];
+#pragma GCC unroll 16
+  for (int c = 0; c < V; ++c) {
+    const int64_t left = dim - c * 16;
+    vmask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+    acc[c] = _mm512_setzero_ps();
+  }
   float total = 0.f;
-  for (int64_t l = 0; l < length; ++l) {
-    const float p = std::exp(scores[l] - best);
+  for (int64_t j = 0; j < length; ++j) {
+    const float p = std::exp(scores[j] - best);
     total += p;
     if (p == 0.f) continue;
     const __m512 pv = _mm512_set1_ps(p);
-    const at::BFloat16* vl = v + l * v_stride;
-    for (int64_t c = 0; c < vecs; ++c) {
-      const int64_t left = dim - c * 16;
-      const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-      const __m256i raw = _mm256_maskz_loadu_epi16(m, vl + c * 16);
-      const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      _mm512_storeu_ps(acc + c * 16, _mm512_fmadd_ps(pv, vf, _mm512_loadu_ps(acc + c * 16)));
-    }
+    const at::BFloat16* vl = v + j * v_stride;
+#pragma GCC unroll 16
+    for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(pv, bf16_to_f32(vl + c * 16, vmask[c]), acc[c]);
   }
-  const float inv = 1.f / total;
-  for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(acc[d] * inv);
+  const __m512 inv = _mm512_set1_ps(1.f / total);
+  float row[16 * V];
+#pragma GCC unroll 16
+  for (int c = 0; c < V; ++c) _mm512_storeu_ps(row + c * 16, _mm512_mul_ps(acc[c], inv));
+  for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(row[d]);
+}
+
+using AttendRow = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
+                           const float*, int64_t, int64_t, int64_t, float, float*, at::BFloat16*);
+
+AttendRow attend_row_for(int64_t dim) {
+  if (dim <= 32) return attend_row<2>;
+  if (dim <= 64) return attend_row<4>;
+  if (dim <= 128) return attend_row<8>;
+  return attend_row<16>;  // dim <= 256
 }
 
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
@@ -204,8 +272,9 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   const float* mp = m.defined() ? m.data_ptr<float>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t per_group = heads / groups;
+  const AttendRow attend_row = attend_row_for(dim);
   at::parallel_for(0, batch * heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(length), acc((dim + 15) / 16 * 16);
+    std::vector<float> scores(length + 16);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / heads, h = i % heads, g = h / per_group;
       const at::BFloat16* kb = kp + b * key.stride(0) + g * key.stride(1);
@@ -213,7 +282,7 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
       for (int64_t t = 0; t < rows; ++t) {
         const float* mrow = mp != nullptr ? mp + b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : nullptr;
         attend_row(qp + ((b * heads + h) * rows + t) * dim, kb, key.stride(2), vb, value.stride(2), mrow,
-                   mp != nullptr ? m.stride(3) : 0, length, dim, static_cast<float>(scale), scores.data(), acc.data(),
+                   mp != nullptr ? m.stride(3) : 0, length, dim, static_cast<float>(scale), scores.data(),
                    op + ((b * rows + t) * heads + h) * dim);
       }
     }
