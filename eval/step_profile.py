@@ -25,7 +25,7 @@ CONFIGS = ("bfloat16 packed compiled", "bfloat16 compiled", "float32 packed", "b
 # operator names (substrings) of each group; what matches none is "the rest"
 GROUPS = {
     "linear layers": ("_linear_pointwise", "packed_linear", "aten::mm", "aten::addmm", "aten::linear"),
-    "attention": ("scaled_dot_product", "aten::bmm", "aten::softmax", "aten::_softmax"),
+    "attention": ("scaled_dot_product", "aten::bmm", "aten::softmax", "aten::_softmax", "decode_attention"),
 }
 
 
