@@ -191,14 +191,24 @@ def chat_frame(tokenizer, request: str | JudgeRequest = DEFAULT_REQUEST) -> Chat
         problem_mark = "\u2063STREAMSPEC-PROBLEM\u2063"
         messages = [{"role": "user", "content": problem_mark}, {"role": "assistant", "content": _SENTINEL},
                     {"role": "user", "content": request.text}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if request.preamble:  # before the conversation: a system message
+            messages = [{"role": "system", "content": request.preamble}] + messages
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template without a system role: the preamble opens the problem's message
+            if not request.preamble:
+                raise
+            messages = messages[1:]
+            messages[0] = {"role": "user", "content": request.preamble + "\n\n" + problem_mark}
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if text.count(_SENTINEL) != 1 or text.count(problem_mark) != 1:
             raise ValueError("the chat template does not render the assistant's turn verbatim; SpecReason needs it to")
         before, after = text.split(_SENTINEL)
         head, tail = before.split(problem_mark)
         # the solving prompt's user message is what solve_message makes of the problem
         return ChatFrame(head=head, tail=tail, judge_suffix=after + request.reply_opening)
-    return ChatFrame(head="", tail="\n\nSolution:\n", judge_suffix=f"\n\n{request.text}\n{request.reply_opening}")
+    head = request.preamble + "\n\n" if request.preamble else ""
+    return ChatFrame(head=head, tail="\n\nSolution:\n", judge_suffix=f"\n\n{request.text}\n{request.reply_opening}")
 
 
 def _render_problem(frame: ChatFrame, problem: str) -> str:
@@ -313,6 +323,10 @@ class LocalBackend(Backend):
     def judge(self, step: str, request: str | JudgeRequest | None = None) -> Judgement:
         start = time.perf_counter()
         request = judge_request(request or DEFAULT_REQUEST)
+        if request.preamble:
+            raise ValueError(f"judge request {request.name!r} puts its examples before the conversation, which an "
+                             "in-process judge (that judges on the text's own cache) cannot do; use a server or "
+                             "llama.cpp judge, or a request without a preamble (e.g. 'error_yes_no_fewshot')")
         answers = answer_token_ids(self.tokenizer, request)
         self.append(step)
         keep = self.mark()
@@ -369,9 +383,13 @@ class ServerBackend(Backend):
                                  f"({str(err).splitlines()[0]}); pass tokenizer= (a folder or hub id)") from err
         self.frame = chat_frame(tokenizer)
         self._tokenizer = tokenizer
-        self._suffixes: dict[str, str] = {}
+        self._frames: dict[str, ChatFrame] = {}
+        # llama.cpp's slots by role (`LlamaCppBackend`): judgements keep their own prompt cache
+        self.slots: dict[str, int] | None = None
         self._check_server()
         self.text = ""
+        self._problem = ""
+        self._steps_from = 0
         self._calls = 0
 
     def _check_server(self) -> None:
@@ -408,7 +426,11 @@ class ServerBackend(Backend):
 
     def start(self, problem: str) -> None:
         self.text = _render_problem(self.frame, problem)
+        self._problem, self._steps_from = problem, len(self.text)
         self._calls = 0
+
+    def _slot(self, role: str) -> dict:
+        return {"id_slot": self.slots[role]} if self.slots else {}
 
     def mark(self) -> int:
         return len(self.text)
@@ -422,7 +444,7 @@ class ServerBackend(Backend):
     def generate(self, max_tokens: int, sampling: Sampling, stop: TextStop) -> Generation:
         start = time.perf_counter()
         body = {"prompt": self.text, "max_tokens": max_tokens, "temperature": sampling.temperature,
-                "top_p": sampling.top_p}
+                "top_p": sampling.top_p, **self._slot("generate")}
         if sampling.seed is not None:
             body["seed"] = sampling.seed + self._calls
         self._calls += 1
@@ -450,10 +472,15 @@ class ServerBackend(Backend):
         start = time.perf_counter()
         request = judge_request(request or DEFAULT_REQUEST)
         self.text += step
-        if request.name not in self._suffixes:  # rendered once per request
-            self._suffixes[request.name] = chat_frame(self._tokenizer, request).judge_suffix
-        suffix = self._suffixes[request.name]
-        reply = self._complete({"prompt": self.text + suffix, "max_tokens": 1, "temperature": 0.0, "logprobs": 20})
+        if request.name not in self._frames:  # rendered once per request
+            self._frames[request.name] = chat_frame(self._tokenizer, request)
+        frame = self._frames[request.name]
+        if request.preamble:  # the judge's own conversation: its preamble, the problem, the steps
+            prompt = frame.prefix(self._problem) + self.text[self._steps_from:] + frame.judge_suffix
+        else:
+            prompt = self.text + frame.judge_suffix
+        reply = self._complete({"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 20,
+                                **self._slot("judge")})
         choice = reply["choices"][0]
         answer_probs = dict.fromkeys(request.answers, 0.0)
         for token, logprob in top_logprobs(choice):
@@ -461,7 +488,9 @@ class ServerBackend(Backend):
             if answer is not None:
                 answer_probs[answer] += math.exp(float(logprob))
         top_answer = answer_of(choice.get("text") or "", request)
-        read = int((reply.get("usage") or {}).get("prompt_tokens") or 0)
+        usage, timings = reply.get("usage") or {}, reply.get("timings") or {}
+        # the tokens the judgement prefilled: llama.cpp reports them past its prompt cache
+        read = int(timings.get("prompt_n") if "prompt_n" in timings else usage.get("prompt_tokens") or 0)
         return Judgement.of_answers(request, answer_probs, top_answer, read, time.perf_counter() - start)
 
     def close(self) -> None:
@@ -471,8 +500,10 @@ class ServerBackend(Backend):
 class LlamaCppBackend(ServerBackend):
     """A GGUF on llama.cpp, run in this process: `streamspec.llamacpp.LlamaCppServer` (the
     ``xllamacpp`` wheel) bound to 127.0.0.1 on a free port with `threads` threads and prompt
-    caching on (a judgement prefills only the new step), read as a `ServerBackend`; `close`
-    stops it.
+    caching on, read as a `ServerBackend`; `close` stops it. It has two slots, each with its own
+    prompt cache: the role's text (slot 0) and its judgements (slot 1), so judging never evicts
+    the text's cache; with a request whose examples come first (``error_yes_no_fewshot_first``)
+    a judgement prefills only the new step and the question.
 
     Args:
         gguf: a ``.gguf`` path or a built-in name (`role_gguf`): the default model
@@ -491,13 +522,15 @@ class LlamaCppBackend(ServerBackend):
 
         path = role_gguf(gguf)
         tokenizer = tokenizer if tokenizer is not None else _gguf_tokenizer(gguf, path)
-        self.server = LlamaCppServer(path, threads=threads, context=context).__enter__()
+        # two slots: the role's own text, and its judgements (each keeps its prompt cache)
+        self.server = LlamaCppServer(path, threads=threads, context=context, parallel=2).__enter__()
         try:
             super().__init__(self.server.url + "/v1", server_model_id(self.server.url), tokenizer=tokenizer,
                              timeout=timeout, retries=retries, name=name)
         except Exception:
             self.server.__exit__(None, None, None)
             raise
+        self.slots = {"generate": 0, "judge": 1}
         self.gguf = path
 
     def close(self) -> None:

@@ -17,6 +17,10 @@ has its readings (`scores`), each with its own units, and the threshold is in th
   (a wrong calculation, a right step, an invalid deduction); the same readings. The examples
   follow the reasoning, so a server's prompt cache cannot keep them: each judgement prefills
   them again (~170 tokens).
+- ``error_yes_no_fewshot_first``: the same examples and question, the examples before the
+  conversation (`JudgeRequest.preamble`), so that a server slot of the judge's own keeps them
+  cached with the problem and the steps so far: each judgement prefills the new step and the
+  short question only.
 - ``correct_or_error``: "is the last step Correct, or does it contain an Error?", one word of
   two that are not yes and no (a judge's bias towards "Yes" cannot carry it). Readings
   ``p_correct`` (P(Correct) / (P(Correct) + P(Error))) and ``log_odds``.
@@ -49,6 +53,10 @@ class JudgeRequest:
         bounds: the range a threshold may take per reading (None: unbounded).
         good, bad: for a two-answer request, the answer that keeps the step and the one that
             rejects it (readings: the good answer's share of the two, and the log-odds).
+        preamble: text the judge sees before the conversation (a system message where the chat
+            template has one): worked judgements placed there stay one cached prefix on a server
+            with a slot of the judge's own, so a judgement prefills only the new step and the
+            short question (``LlamaCppBackend(judge_slot=True)``).
     """
 
     name: str
@@ -60,6 +68,7 @@ class JudgeRequest:
     bounds: dict = field(hash=False, compare=False)
     good: str | None = None
     bad: str | None = None
+    preamble: str = ""
 
     def __post_init__(self) -> None:
         if self.name != "score_0_9" and {self.good, self.bad} != set(self.answers):
@@ -120,6 +129,19 @@ JUDGE_REQUESTS: dict[str, JudgeRequest] = {
               "Error: No.\n"
               "Last step: \"x^2 = 9, so x = 3 is the only solution.\" Error: Yes (x = -3 also solves it).\n"
               "Now the reasoning above. Does its last step contain an error: a wrong fact, a wrong calculation "
+              "or an invalid deduction? Judge only the last step. Answer Yes or No."),
+        reply_opening="", answers=_YES_NO, scores=("p_no_error", "log_odds"), default_threshold=0.4,
+        bounds={"p_no_error": (0, 1), "log_odds": (None, None)}, good="No", bad="Yes",
+    ),
+    "error_yes_no_fewshot_first": JudgeRequest(
+        name="error_yes_no_fewshot_first",
+        preamble=("You check one step of a solution at a time. Three examples of last steps and the verdicts:\n"
+                  "Last step: \"Each box holds 12 pens, so 7 boxes hold 12 * 7 = 74 pens.\" Error: Yes "
+                  "(12 * 7 is 84).\n"
+                  "Last step: \"She paid $20 and the book cost $13.50, so her change is 20 - 13.50 = $6.50.\" "
+                  "Error: No.\n"
+                  "Last step: \"x^2 = 9, so x = 3 is the only solution.\" Error: Yes (x = -3 also solves it)."),
+        text=("Does the last step of the reasoning above contain an error: a wrong fact, a wrong calculation "
               "or an invalid deduction? Judge only the last step. Answer Yes or No."),
         reply_opening="", answers=_YES_NO, scores=("p_no_error", "log_odds"), default_threshold=0.4,
         bounds={"p_no_error": (0, 1), "log_odds": (None, None)}, good="No", bad="Yes",

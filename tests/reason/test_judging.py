@@ -204,3 +204,64 @@ def test_specreason_on_llama_cpp_base_and_judge(single_thread, tmp_path):
         assert isinstance(plain, LlamaCppBackend) and plain.name == "drafter (no streams)"
     finally:
         plain.close()
+
+
+def test_a_preamble_request_puts_its_examples_before_the_conversation():
+    """``error_yes_no_fewshot_first``: the judge's conversation opens with the examples (a system
+    message), then the problem and the steps as the solver saw them; the question after the steps
+    is the short one, without the examples; an in-process judge refuses it by name."""
+    from streamspec.assets import DEFAULT_MODEL_ID, load_tokenizer
+    from streamspec.reason.backends import chat_frame
+    from streamspec.reason.judging import JUDGE_REQUESTS
+    from streamspec.data.reasoning import solve_message
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_ID)
+    first, after = JUDGE_REQUESTS["error_yes_no_fewshot_first"], JUDGE_REQUESTS["error_yes_no_fewshot"]
+    assert first.preamble and first.preamble in after.text  # the same examples, moved
+    frame, plain = chat_frame(tokenizer, first), chat_frame(tokenizer, after)
+    prompt = frame.prefix("What is 2 + 3?")
+    assert prompt.index(first.preamble) < prompt.index(solve_message("What is 2 + 3?"))
+    assert first.preamble not in frame.judge_suffix and first.text in frame.judge_suffix
+    assert frame.tail == plain.tail  # the steps follow the problem as in the solver's own text
+    assert len(tokenizer(frame.judge_suffix)["input_ids"]) < len(tokenizer(plain.judge_suffix)["input_ids"]) - 100
+    no_template = chat_frame(object(), first)
+    assert no_template.prefix("q").startswith(first.preamble)
+
+
+def test_an_in_process_judge_refuses_a_preamble_request(tiny_dir):
+    from streamspec.loading import load_for_inference
+    from streamspec.reason.backends import LocalBackend
+    from streamspec.reason.reasoner import SpecReasoner
+
+    loaded = load_for_inference(tiny_dir)
+    local = LocalBackend(loaded.model, loaded.tokenizer)
+    with pytest.raises(ValueError, match="error_yes_no_fewshot_first.*before the conversation"):
+        SpecReasoner(local, local, ReasonConfig(judge_request="error_yes_no_fewshot_first"))
+    local.start("What is 2 + 3?")
+    with pytest.raises(ValueError, match="before the conversation"):
+        local.judge("5.\n\n", "error_yes_no_fewshot_first")
+
+
+@pytest.mark.slow
+def test_llama_cpp_judgements_on_their_own_slot_prefill_only_the_new_step(single_thread):
+    """On llama.cpp the judge's slot keeps the examples, the problem and the steps cached: a
+    judgement with the examples first prefills only the new step and the question, while the
+    role's own text keeps its slot (generating after a judgement re-reads nothing judged)."""
+    pytest.importorskip("xllamacpp")
+    from streamspec.reason.backends import LlamaCppBackend, Sampling, TextStop
+
+    base = LlamaCppBackend("streamspec:SmolLM2-135M-Instruct", threads=1, name="base")
+    try:
+        assert base.slots == {"generate": 0, "judge": 1}
+        base.start("Tom has 3 apples and buys 4 more. How many apples does he have?")
+        stop = TextStop("\n\n")
+        base.generate(24, Sampling(temperature=0.0), stop)
+        first = base.judge("He buys 4 more, so 3 + 4 = 7.\n\n", "error_yes_no_fewshot_first")
+        second = base.judge("So Tom has 7 apples.\n\n", "error_yes_no_fewshot_first")
+        suffix = len(base._tokenizer(base._frames["error_yes_no_fewshot_first"].judge_suffix)["input_ids"])
+        assert 0 < second.tokens_read < 40 + suffix < first.tokens_read  # the second: its step and the question only
+        assert set(second.answer_probs) == {"Yes", "No"}
+        after = base.judge("So Tom has 7 apples.\n\n", "error_yes_no_fewshot")  # examples after: all again
+        assert after.tokens_read > len(base._tokenizer(JUDGE_REQUESTS["error_yes_no_fewshot"].text)["input_ids"])
+    finally:
+        base.close()
