@@ -74,9 +74,13 @@ def bf16_linear():
     try:
         from torch.utils import cpp_extension
 
-        build_dir = Path(cpp_extension._get_build_directory("streamspec_bf16_linear", verbose=False))
-        if not any(build_dir.glob("streamspec_bf16_linear*.so")):
-            print("streamspec: building its bf16 CPU kernel (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
+        try:  # say so when this machine has not built it yet (torch's extension cache)
+            build_dir = Path(cpp_extension._get_build_directory("streamspec_bf16_linear", verbose=False))
+            built = any(build_dir.glob("streamspec_bf16_linear*.so"))
+        except Exception:
+            built = False
+        if not built:
+            print("streamspec: building its bf16 CPU kernels (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
         module = cpp_extension.load(name="streamspec_bf16_linear", sources=[str(_SOURCE)],
                                     extra_cflags=["-O3"], verbose=False)
         if not module.cpu_supported():

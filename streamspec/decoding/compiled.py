@@ -36,9 +36,9 @@ def _checked_once(checked: bool):
     ``skip_guard_eval_unsafe`` stance; ~2 ms a pass of guards on this project's CPU otherwise).
     The current stance (e.g. a user's ``force_eager``) is kept. A model changed between two
     generations meets every guard again at the next generation's first pass."""
-    if not checked:
+    current = getattr(torch._dynamo.eval_frame, "_stance", None)  # (torch >= 2.6; older ones guard in full)
+    if not checked or current is None or not hasattr(torch.compiler, "set_stance"):
         return contextlib.nullcontext()
-    current = torch._dynamo.eval_frame._stance
     return torch.compiler.set_stance(current.stance, skip_guard_eval_unsafe=True, force_backend=current.backend)
 
 
