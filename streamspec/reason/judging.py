@@ -20,7 +20,9 @@ has its readings (`scores`), each with its own units, and the threshold is in th
 - ``error_yes_no_fewshot_first``: the same examples and question, the examples before the
   conversation (`JudgeRequest.preamble`), so that a server slot of the judge's own keeps them
   cached with the problem and the steps so far: each judgement prefills the new step and the
-  short question only.
+  short question only. Measured on CHAMP with Qwen2.5-Coder-1.5B it does not separate (AUROC
+  0.41 within position against the examples-after request's 0.76; docs/reasoning.md): kept as
+  the measured alternative, not the default.
 - ``correct_or_error``: "is the last step Correct, or does it contain an Error?", one word of
   two that are not yes and no (a judge's bias towards "Yes" cannot carry it). Readings
   ``p_correct`` (P(Correct) / (P(Correct) + P(Error))) and ``log_odds``.
