@@ -10,6 +10,7 @@ the timed prompts meet, so compile time is paid (and reported) before them.
     OMP_NUM_THREADS=1 python eval/step_speed.py --checkpoint streamspec:smollm2-135m-sql-streams --limit 5
     OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes bfloat16 --lookup 8,1,3 --limit 5   # lookup trees compiled
     OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes "bfloat16" "bfloat16 packed" --limit 5  # streamspec's CPU kernels
+    OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes "bfloat16 packed" "bfloat16 packed onednn" --limit 5  # its own bf16 kernels or not
 """
 
 from __future__ import annotations
