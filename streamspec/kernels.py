@@ -98,7 +98,7 @@ class PackedLinear(nn.Linear):
             return F.linear(x, w, b)
         if torch.compiler.is_compiling():
             return torch.ops.streamspec.packed_linear(x, w, b)
-        return _run_packed(x, _packed(self), w.shape[0], b)
+        return _run_packed(x, _packed(self), w, b)
 
     def __getstate__(self):
         # Copies and pickles leave the packed weight behind (an opaque oneDNN tensor); they pack
@@ -128,10 +128,11 @@ def _make_pack(weight: torch.Tensor, own: bool = True) -> tuple[torch.Tensor, to
     return onednn, (kernel.pack(w) if kernel is not None else None)
 
 
-def _run_packed(x: torch.Tensor, packs: tuple, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _run_packed(x: torch.Tensor, packs: tuple, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     onednn, own = packs
-    if own is not None and x.numel() <= native.MAX_ROWS * x.shape[-1]:
-        return native.bf16_linear().linear(x, own, out_features, bias)
+    # (an input of another width goes to oneDNN, which refuses it as F.linear does)
+    if own is not None and x.shape[-1] == weight.shape[1] and x.numel() <= native.MAX_ROWS * x.shape[-1]:
+        return native.bf16_linear().linear(x, own, weight.shape[0], bias)
     return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
 
 
@@ -190,7 +191,7 @@ def _pack_of(weight: torch.Tensor) -> tuple:
 
 
 def _packed_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _run_packed(x, _pack_of(weight), weight.shape[0], bias)
+    return _run_packed(x, _pack_of(weight), weight, bias)
 
 
 # A plain library operator (a CPU kernel and a shape function), not `torch.library.custom_op`:
@@ -295,7 +296,9 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     head group (the query heads that share a key head stacked as rows, nothing copied) with the
     scores and the softmax in float32 (as the flash kernel accumulates), ~0.15 ms. Same results
     up to rounding in the order of the sums (in bfloat16 the error against float64 is the flash
-    kernel's). Anything else (longer queries, no mask for several rows, dropout, soft caps,
+    kernel's). In bfloat16 on CPUs where `streamspec.native` runs, passes of up to
+    `native.ATTENTION_MAX_ROWS` rows (without autograd) take its C++ kernel instead, which reads
+    the cached keys and values in place rather than as float32 copies. Anything else (longer queries, no mask for several rows, dropout, soft caps,
     position biases, attention sinks, key and value heads of other sizes, another device) goes to
     transformers' ``sdpa`` unchanged.
     `query` [B, H, T, D]; `key`/`value` [B, KV, L, D]; returns [B, T, H, D] as ``sdpa`` does."""
@@ -313,11 +316,13 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     scale = scaling if scaling is not None else dim ** -0.5
     if (rows <= native.ATTENTION_MAX_ROWS and native.ready() and getattr(module, "_streamspec_native_attention", True)
             and query.dtype == key.dtype == value.dtype == torch.bfloat16 and dim <= 256
-            and key.stride(-1) == 1 and value.stride(-1) == 1):
+            and key.stride(-1) == 1 and value.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
+        # (the kernel has no backward: with autograd recording, torch's operators below)
         mask = None
         if attention_mask is not None:  # an additive float32 mask, broadcast to [B, H, T, L] by the kernel
             mask = attention_mask[..., :length]
-            mask = (torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            mask = (torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
                     if mask.dtype == torch.bool else mask.float())
         return torch.ops.streamspec.decode_attention(query, key, value, mask, float(scale)), None
     per_group = heads // groups
@@ -393,6 +398,7 @@ def default_kernels(model: nn.Module):
     (both restored afterwards): what the benchmark's default-kernel rows and peers run."""
     config = getattr(getattr(model, "hf_model", model), "config", None)
     switched = config is not None and getattr(config, "_attn_implementation", None) == DECODE_ATTENTION
+    own = [m for m in model.modules() if m.__dict__.get("_streamspec_native_attention") is False]
     if switched:
         use_sdpa_attention(model)
     try:
@@ -401,4 +407,6 @@ def default_kernels(model: nn.Module):
     finally:
         if switched:
             use_decode_attention(model)
+            for layer in own:  # layers kept on torch's operators (`use_decode_attention(own_kernel=False)`) stay so
+                layer.__dict__["_streamspec_native_attention"] = False
 

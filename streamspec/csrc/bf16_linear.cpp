@@ -108,7 +108,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
               "linear: the packed weight ", packed.sizes(), " does not fit x ", x.sizes(), " and ", n, " outputs");
   const int64_t k = x.size(-1);
   TORCH_CHECK((k + kDepth - 1) / kDepth == packed.size(1), "linear: x has ", k, " inputs, the weight ",
-              packed.size(2) * kDepth, " (padded)");
+              packed.size(1) * kDepth, " (padded)");
+  TORCH_CHECK(packed.size(2) == kRows && packed.size(3) == kDepth && packed.is_contiguous(),
+              "linear: the weight was not laid out by pack(): ", packed.sizes());
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: x and the weight must be on the CPU");
   auto x2 = x.reshape({-1, k}).contiguous();
   const int64_t rows = x2.size(0);
   auto out = torch::empty({rows, n}, x.options());
@@ -259,10 +262,13 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
                   key.size(3) == dim && value.size(3) == dim && heads % groups == 0 && dim <= 256,
               "decode_attention: shapes do not fit: query ", query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
   TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "decode_attention: keys and values must be contiguous in their last dim");
+  TORCH_CHECK(groups > 0 && query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "decode_attention: CPU tensors with at least one key-value head");
   auto q = query.contiguous();
   torch::Tensor m;
   if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4, "decode_attention: the mask must be a 4-D float32 additive mask");
+    TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4 && mask->device().is_cpu(),
+                "decode_attention: the mask must be a 4-D float32 additive mask on the CPU");
     m = mask->narrow(3, 0, length).expand({batch, heads, rows, length});
   }
   auto out = torch::empty({batch, rows, heads, dim}, query.options());

@@ -35,7 +35,9 @@ def _checked_once(checked: bool):
     tensors' values move), so they run only the guards that tell cached graphs apart (torch's
     ``skip_guard_eval_unsafe`` stance; ~2 ms a pass of guards on this project's CPU otherwise).
     The current stance (e.g. a user's ``force_eager``) is kept. A model changed between two
-    generations meets every guard again at the next generation's first pass."""
+    generations meets every guard again at the next generation's first pass; one changed during
+    a generation (its kernels switched from another thread) is not seen until then, and the
+    stance is the process's while a pass runs (compiled code on other threads skips too)."""
     current = getattr(torch._dynamo.eval_frame, "_stance", None)  # (torch >= 2.6; older ones guard in full)
     if not checked or current is None or not hasattr(torch.compiler, "set_stance"):
         return contextlib.nullcontext()

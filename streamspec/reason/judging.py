@@ -58,7 +58,7 @@ class JudgeRequest:
         preamble: text the judge sees before the conversation (a system message where the chat
             template has one): worked judgements placed there stay one cached prefix on a server
             with a slot of the judge's own, so a judgement prefills only the new step and the
-            short question (``LlamaCppBackend(judge_slot=True)``).
+            short question (`LlamaCppBackend`'s judge slot).
     """
 
     name: str

@@ -192,6 +192,18 @@ def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkey
             pytest.skip("streamspec's own attention kernel runs bf16 on CPUs with AVX-512 BF16")
         assert native.bf16_linear() is not None, "streamspec's kernels did not build on a CPU with AVX-512 BF16"
         monkeypatch.setattr(native, "ATTENTION_MAX_ROWS", 32)  # the kernel at every row count here
+        ran = []
+        real = native.bf16_linear()
+
+        class _Spy:  # counts the kernel's calls (the test must not pass on torch's path)
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def decode_attention(self, *args):
+                ran.append(1)
+                return real.decode_attention(*args)
+
+        monkeypatch.setattr(native, "_MODULE", _Spy())
     if not own_kernel:
         monkeypatch.setattr(native, "_MODULE", None)
     torch.manual_seed(rows)
@@ -209,6 +221,8 @@ def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkey
                                        mask.double() if mask is not None and mask.is_floating_point() else mask,
                                        scaling=0.3)
     assert ours.shape == theirs.shape == (2, rows, 6, 16) and ours.dtype == dtype
+    if own_kernel:
+        assert ran, "streamspec's attention kernel did not run"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert not ours.isnan().any()
     torch.testing.assert_close(ours.double(), theirs, rtol=tol, atol=tol)
@@ -230,6 +244,12 @@ def test_decode_attention_decodes_exactly_and_default_kernels_restore_sdpa():
     with default_kernels(model):
         assert model.config._attn_implementation == "sdpa"
     assert model.config._attn_implementation == DECODE_ATTENTION
+    # a model kept on torch's attention operators (not streamspec's kernel) stays so afterwards
+    use_decode_attention(model, own_kernel=False)
+    with default_kernels(model):
+        pass
+    layers = [m for m in model.modules() if "_streamspec_native_attention" in m.__dict__]
+    assert layers and all(m.__dict__["_streamspec_native_attention"] is False for m in layers)
 
 
 def test_eager_models_keep_their_attention():

@@ -82,6 +82,10 @@ class _Counting:
         self.calls += 1
         return self.module.linear(*args)
 
+    def decode_attention(self, *args):
+        self.calls += 1
+        return self.module.decode_attention(*args)
+
 
 @pytest.fixture
 def counting(kernel, monkeypatch):
@@ -140,3 +144,96 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernel):
     together = kernel.linear(x, packed, 100, None)
     for i in range(7):
         assert torch.equal(kernel.linear(x[i:i + 1], packed, 100, None)[0], together[i])
+
+
+def _attention_float64(q, k, v, mask, scale):
+    groups, heads = k.shape[1], q.shape[1]
+    kk = k.double().repeat_interleave(heads // groups, dim=1)
+    vv = v.double().repeat_interleave(heads // groups, dim=1)
+    scores = q.double() @ kk.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores + mask.double()
+    probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
+    return (probs @ vv).transpose(1, 2)  # [B, T, H, D]
+
+
+@pytest.mark.parametrize("dim", [8, 20, 40, 64, 80, 128, 200, 256])
+@pytest.mark.parametrize("length, rows", [(0, 1), (5, 1), (16, 3), (37, 8), (100, 2)])
+def test_the_attention_kernel_is_attention_up_to_bf16_rounding(kernel, dim, length, rows):
+    """Every head size the kernel takes (its 16-, 32-, 64-, 128- and 256-wide paths and their
+    tails), caches shorter and longer than its 16-key blocks, keys sliced from a longer buffer,
+    a mask read with a stride, a row that may see nothing (zeros, as sdpa gives)."""
+    torch.manual_seed(dim * 100 + length + rows)
+    q = torch.randn(2, 6, rows, dim, dtype=torch.bfloat16)
+    cache_k = torch.randn(2, 2, length + 9, dim, dtype=torch.bfloat16)
+    cache_v = torch.randn(2, 2, length + 9, dim, dtype=torch.bfloat16)
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # the stored part of a longer cache
+    allowed = torch.rand(2, 1, rows, length) > 0.3
+    if length:
+        allowed[..., 0] = True
+        allowed[1, 0, rows - 1] = False  # a row that may see nothing
+    wide = torch.zeros(2, 1, rows, 2 * max(length, 1))
+    mask = wide[..., ::2][..., :length]  # last stride 2
+    mask.masked_fill_(~allowed, float("-inf"))
+    out = kernel.decode_attention(q, k, v, mask, dim ** -0.5)
+    expected = _attention_float64(q, k, v, mask, dim ** -0.5)
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+    if length:
+        assert (out[1, rows - 1] == 0).all()
+    none = kernel.decode_attention(q, k, v, None, dim ** -0.5)
+    torch.testing.assert_close(none.double(), _attention_float64(q, k, v, None, dim ** -0.5), rtol=2e-2, atol=2e-2)
+
+
+def test_the_attention_kernel_refuses_what_it_cannot_attend(kernel):
+    q = torch.randn(1, 4, 1, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.decode_attention(q.float(), k, v, None, 0.1)
+    with pytest.raises(RuntimeError, match="shapes do not fit"):
+        kernel.decode_attention(torch.randn(1, 3, 1, 64, dtype=torch.bfloat16), k, v, None, 0.1)
+    with pytest.raises(RuntimeError, match="float32 additive mask"):
+        kernel.decode_attention(q, k, v, torch.ones(1, 1, 1, 10, dtype=torch.bool), 0.1)
+
+
+@pytest.mark.skipif(not cpu_kernels_available() or torch.bfloat16 not in packed_dtypes(), reason="no oneDNN bf16 here")
+def test_an_input_of_another_width_is_refused_not_multiplied(kernel):
+    layer = nn.Linear(64, 16).to(torch.bfloat16).eval()
+    pack_linear_layers(layer)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        layer(torch.randn(1, 40, dtype=torch.bfloat16))  # ceil(40/32) == ceil(64/32): must not pass
+
+
+def test_attention_with_autograd_keeps_its_gradients(kernel):
+    """With autograd recording, the decoding attention takes torch's operators (the kernel has
+    no backward): the gradients arrive."""
+    from types import SimpleNamespace
+
+    from streamspec.kernels import decode_attention_forward
+
+    q = torch.randn(1, 6, 1, 16, dtype=torch.bfloat16, requires_grad=True)
+    k, v = torch.randn(1, 2, 12, 16, dtype=torch.bfloat16), torch.randn(1, 2, 12, 16, dtype=torch.bfloat16)
+    out, _ = decode_attention_forward(SimpleNamespace(num_key_value_groups=3, is_causal=True), q, k, v,
+                                      torch.ones(1, 1, 1, 12, dtype=torch.bool), scaling=0.25)
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_compiled_attention_calls_the_kernel(counting):
+    """Inside a compiled graph the decoding attention is the ``streamspec::decode_attention``
+    operator (its shape function right), the same result as eager."""
+    from types import SimpleNamespace
+
+    from streamspec.kernels import decode_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q = torch.randn(1, 6, 2, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16), torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    mask = torch.rand(1, 1, 2, 40) > 0.2
+    with torch.no_grad():
+        eager = decode_attention_forward(module, q, k, v, mask, scaling=0.125)[0]
+        calls = counting.calls
+        step = torch.compile(lambda *a: decode_attention_forward(module, *a, scaling=0.125)[0], backend="aot_eager",
+                             fullgraph=True, dynamic=False)
+        compiled = step(q, k, v, mask)
+    assert counting.calls > calls and torch.equal(compiled, eager)
