@@ -36,6 +36,10 @@ pass of a few query rows (one token, a draft tree) through `decode_attention_for
 with transformers as ``"streamspec_sdpa"``: torch's CPU flash kernel spent ~0.9 ms a layer on one
 bfloat16 query against 768 cached keys, ~0.15 ms this way; longer passes (the prefill) go to
 transformers' ``sdpa``. `default_kernels` runs a model on the defaults inside a block.
+
+On CPUs with AVX-512 BF16, bf16 layers and the decoding attention also use streamspec's own C++
+kernels for passes of a few rows (`streamspec.native`, built on first use): a weight read as one
+sequential stream, the cache read in place; longer passes stay on oneDNN and torch's operators.
 """
 
 from __future__ import annotations
