@@ -324,10 +324,9 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
         # (the kernel has no backward: with autograd recording, torch's operators below)
         mask = None
-        if attention_mask is not None:  # an additive float32 mask, broadcast to [B, H, T, L] by the kernel
+        if attention_mask is not None:  # boolean, or additive float32; broadcast to [B, H, T, L] by the kernel
             mask = attention_mask[..., :length]
-            mask = (torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-                    if mask.dtype == torch.bool else mask.float())
+            mask = mask if mask.dtype == torch.bool else mask.float()
         return torch.ops.streamspec.decode_attention(query, key, value, mask, float(scale)), None
     per_group = heads // groups
     q = query.reshape(batch, groups, per_group * rows, dim).float()

@@ -171,7 +171,7 @@ SS_TARGET inline __m512 bf16_to_f32(const at::BFloat16* p, __mmask16 m) {
 // One query row against `length` keys: `V` 16-lane vectors of the head's dim (dim <= 16 V).
 template <int V>
 SS_TARGET void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v,
-                          int64_t v_stride, const float* mask, int64_t mask_stride, int64_t length, int64_t dim,
+                          int64_t v_stride, const float* mask, const bool* allowed, int64_t mask_stride, int64_t length, int64_t dim,
                           float scale, float* scores, at::BFloat16* out) {
   constexpr int C = (V + 1) / 2;  // 32-wide bf16 chunks of the dim
   __mmask32 kmask[C];
@@ -199,6 +199,9 @@ SS_TARGET void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t 
     if (mask != nullptr) {
       if (mask_stride == 1) sv = _mm512_add_ps(sv, _mm512_loadu_ps(mask + l));
       else for (int j = 0; j < 16; ++j) sv[j] += mask[(l + j) * mask_stride];
+    } else if (allowed != nullptr) {  // a boolean mask: a key it does not allow scores -inf
+      for (int j = 0; j < 16; ++j)
+        if (!allowed[(l + j) * mask_stride]) sv[j] = -std::numeric_limits<float>::infinity();
     }
     _mm512_storeu_ps(scores + l, sv);
     best_v = _mm512_max_ps(best_v, sv);
@@ -208,7 +211,8 @@ SS_TARGET void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t 
     const at::BFloat16* kl = k + l * k_stride;
     __m512 a = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], kl + c * 32));
-    const float s = _mm512_reduce_add_ps(a) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
+    float s = _mm512_reduce_add_ps(a) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
+    if (allowed != nullptr && !allowed[l * mask_stride]) s = -std::numeric_limits<float>::infinity();
     scores[l] = s;
     best = std::max(best, s);
   }
@@ -242,7 +246,7 @@ SS_TARGET void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t 
 }
 
 using AttendRow = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
-                           const float*, int64_t, int64_t, int64_t, float, float*, at::BFloat16*);
+                           const float*, const bool*, int64_t, int64_t, int64_t, float, float*, at::BFloat16*);
 
 AttendRow attend_row_for(int64_t dim) {
   if (dim <= 32) return attend_row<2>;
@@ -267,15 +271,18 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   auto q = query.contiguous();
   torch::Tensor m;
   if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4 && mask->device().is_cpu(),
-                "decode_attention: the mask must be a 4-D float32 additive mask on the CPU");
+    TORCH_CHECK((mask->scalar_type() == at::kFloat || mask->scalar_type() == at::kBool) && mask->dim() == 4 &&
+                    mask->device().is_cpu(),
+                "decode_attention: the mask must be a 4-D float32 additive or boolean mask on the CPU");
     m = mask->narrow(3, 0, length).expand({batch, heads, rows, length});
   }
   auto out = torch::empty({batch, rows, heads, dim}, query.options());
   const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
   const at::BFloat16* kp = key.data_ptr<at::BFloat16>();
   const at::BFloat16* vp = value.data_ptr<at::BFloat16>();
-  const float* mp = m.defined() ? m.data_ptr<float>() : nullptr;
+  const bool boolean = m.defined() && m.scalar_type() == at::kBool;
+  const float* mp = m.defined() && !boolean ? m.data_ptr<float>() : nullptr;
+  const bool* ap = boolean ? m.data_ptr<bool>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t per_group = heads / groups;
   const AttendRow attend_row = attend_row_for(dim);
@@ -286,9 +293,10 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
       const at::BFloat16* kb = kp + b * key.stride(0) + g * key.stride(1);
       const at::BFloat16* vb = vp + b * value.stride(0) + g * value.stride(1);
       for (int64_t t = 0; t < rows; ++t) {
-        const float* mrow = mp != nullptr ? mp + b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : nullptr;
-        attend_row(qp + ((b * heads + h) * rows + t) * dim, kb, key.stride(2), vb, value.stride(2), mrow,
-                   mp != nullptr ? m.stride(3) : 0, length, dim, static_cast<float>(scale), scores.data(),
+        const int64_t at = m.defined() ? b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : 0;
+        attend_row(qp + ((b * heads + h) * rows + t) * dim, kb, key.stride(2), vb, value.stride(2),
+                   mp != nullptr ? mp + at : nullptr, ap != nullptr ? ap + at : nullptr,
+                   m.defined() ? m.stride(3) : 0, length, dim, static_cast<float>(scale), scores.data(),
                    op + ((b * rows + t) * heads + h) * dim);
       }
     }

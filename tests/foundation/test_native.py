@@ -181,6 +181,9 @@ def test_the_attention_kernel_is_attention_up_to_bf16_rounding(kernel, dim, leng
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
     if length:
         assert (out[1, rows - 1] == 0).all()
+    boolean = kernel.decode_attention(q, k, v, torch.zeros(2, 1, rows, 2 * max(length, 1), dtype=torch.bool)
+                                      [..., ::2][..., :length].copy_(allowed), dim ** -0.5)
+    assert torch.equal(boolean, out)  # a boolean mask reads as the additive one
     none = kernel.decode_attention(q, k, v, None, dim ** -0.5)
     torch.testing.assert_close(none.double(), _attention_float64(q, k, v, None, dim ** -0.5), rtol=2e-2, atol=2e-2)
 
@@ -192,8 +195,8 @@ def test_the_attention_kernel_refuses_what_it_cannot_attend(kernel):
         kernel.decode_attention(q.float(), k, v, None, 0.1)
     with pytest.raises(RuntimeError, match="shapes do not fit"):
         kernel.decode_attention(torch.randn(1, 3, 1, 64, dtype=torch.bfloat16), k, v, None, 0.1)
-    with pytest.raises(RuntimeError, match="float32 additive mask"):
-        kernel.decode_attention(q, k, v, torch.ones(1, 1, 1, 10, dtype=torch.bool), 0.1)
+    with pytest.raises(RuntimeError, match="float32 additive or boolean mask"):
+        kernel.decode_attention(q, k, v, torch.ones(1, 1, 1, 10, dtype=torch.int64), 0.1)
 
 
 @pytest.mark.skipif(not cpu_kernels_available() or torch.bfloat16 not in packed_dtypes(), reason="no oneDNN bf16 here")
