@@ -36,7 +36,7 @@ from ..decoding.session import DecodingSession
 from ..loading import eos_ids
 from .config import BackendConfig
 from ..data.reasoning import solve_message
-from .judging import DEFAULT_REQUEST, JudgeRequest, answer_of, answer_token_ids, judge_request
+from .judging import DEFAULT_REQUEST, JudgeRequest, answer_of, answer_token_ids, in_process_refusal, judge_request
 
 logger = logging.getLogger(__name__)
 _SENTINEL = "\u2063STREAMSPEC-STEP\u2063"
@@ -324,9 +324,7 @@ class LocalBackend(Backend):
         start = time.perf_counter()
         request = judge_request(request or DEFAULT_REQUEST)
         if request.preamble:
-            raise ValueError(f"judge request {request.name!r} puts its examples before the conversation, which an "
-                             "in-process judge (that judges on the text's own cache) cannot do; use a server or "
-                             "llama.cpp judge, or a request without a preamble (e.g. 'error_yes_no_fewshot')")
+            raise in_process_refusal(request.name)
         answers = answer_token_ids(self.tokenizer, request)
         self.append(step)
         keep = self.mark()

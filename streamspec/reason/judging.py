@@ -162,6 +162,14 @@ JUDGE_REQUESTS: dict[str, JudgeRequest] = {
 DEFAULT_REQUEST = "error_yes_no_fewshot"
 
 
+def in_process_refusal(name: str) -> ValueError:
+    """The error for a request with a preamble asked of an in-process judge (which judges on the
+    text's own cache, so it cannot put anything before the conversation)."""
+    return ValueError(f"judge request {name!r} puts its examples before the conversation, which an in-process "
+                      "judge cannot do; use a server or llama.cpp judge, or a request without a preamble "
+                      "(e.g. 'error_yes_no_fewshot')")
+
+
 def judge_request(name: str | JudgeRequest) -> JudgeRequest:
     """The request named `name` (a key of `JUDGE_REQUESTS`), or `name` itself if a request."""
     if isinstance(name, JudgeRequest):

@@ -24,7 +24,7 @@ from typing import Callable
 from .backends import Backend, LocalBackend, Sampling, TextStop
 from .config import ReasonConfig
 from .grading import extract_answer, extract_boxed
-from .judging import judge_request
+from .judging import in_process_refusal, judge_request
 from .prompts import ANSWER_CUE
 from .trace import ReasonTrace, Step
 
@@ -56,9 +56,7 @@ class SpecReasoner:
         if not isinstance(self.config, ReasonConfig):
             raise TypeError(f"config must be a ReasonConfig, got {type(self.config).__name__}")
         if isinstance(self.judge, LocalBackend) and judge_request(self.config.judge_request).preamble:
-            raise ValueError(f"judge request {self.config.judge_request!r} puts its examples before the conversation, "
-                             "which an in-process judge cannot do; use a server or llama.cpp judge, or a request "
-                             "without a preamble (e.g. 'error_yes_no_fewshot')")
+            raise in_process_refusal(self.config.judge_request)
 
     # -- public runners -------------------------------------------------------------------------
     def solve(self, problem: str) -> ReasonTrace:
