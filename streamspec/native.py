@@ -5,7 +5,7 @@ attention of a few query rows against the cache.
 oneDNN's bf16 inner product, the best torch offers for one row on a CPU, read this project's
 model at ~9 GB/s on one core of a machine whose core reads ~27 GB/s: a decoding pass costs what
 its weights' reading costs, so that gap is the step's. The kernel lays each weight out once as
-one sequential stream and reads it at ~19-21 GB/s for one to three rows (`python eval/linear_kernels.py`
+one sequential stream and reads it at ~19-25 GB/s for one to six rows (`python eval/linear_kernels.py`
 compares them on a machine). `streamspec.kernels.pack_linear_layers` uses it beside oneDNN's pack
 for bf16 layers: passes of up to `MAX_ROWS` rows take it, longer ones oneDNN. The attention
 (`streamspec.kernels.decode_attention_forward`, bf16 passes of up to `ATTENTION_MAX_ROWS` rows) reads each key-value
@@ -27,12 +27,14 @@ import warnings
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.cpp"
-#: Passes of at most this many rows take the kernel (one token with its streams, a 7-node tree's
-#: lower layers). It keeps up to three rows' sums in registers and reads a weight block again, from
-#: cache, for each further group of rows; SmolLM2-135M's layers and head (one thread, the dev
-#: machine's AMD EPYC, best of 11, oneDNN in brackets): 1 row 14.0 ms (16.0), 4 rows 17.0 (19.0),
-#: 6 rows 20.8 (33.4), 7 rows 26.4 (33.1), 8 rows 29.5 (27.5), 16 rows 44.5 (35.2).
-MAX_ROWS = 7
+#: Passes of at most this many rows take the kernel (one token with its streams, draft trees with
+#: their stream rows and lookup branches); longer ones (prompts) oneDNN's blocked GEMM. It keeps up
+#: to six rows' sums of a 64-output tile in registers and passes over the tile again, from cache,
+#: for each further six rows. SmolLM2-135M's 210 layers + LM head (`eval/linear_kernels.py --dtype
+#: bfloat16`, one thread, the dev machine's AMD EPYC, a noisy hour, median of 9, oneDNN packed in
+#: brackets): 1 row 23.8 ms (34.2), 4: 27.4 (40.6), 7: 32.3 (49.2), 16: 33.1 (54.5),
+#: 28: 51.4 (61.0), 64: 90.4 (125.6).
+MAX_ROWS = 64
 #: Passes of at most this many query rows take the attention kernel (it reads each key once per
 #: query head and row: against torch's operators 0.45x their time for one row, 768 keys, SmolLM2's
 #: 9 heads, 0.8-0.9x for four to seven rows, behind from sixteen; measured here, one thread).

@@ -39,7 +39,7 @@ def _within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b
 
 
 @pytest.mark.parametrize("n, k", [(96, 48), (13, 45), (8, 32), (9, 33), (7, 1), (1536, 576), (40, 100)])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 12, 13, 25])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_is_the_exact_product_up_to_bf16_rounding(kernel, n, k, rows, bias):
     torch.manual_seed(n * 1000 + k + rows)
@@ -103,7 +103,7 @@ def test_passes_of_a_few_rows_take_the_kernel_and_longer_ones_onednn(counting, c
     assert pack_linear_layers(layer) == 1 and type(layer) is PackedLinear
     run = torch.compile(lambda a: layer(a), fullgraph=True, dynamic=False) if compiled else layer
     with torch.no_grad():
-        for rows, by_kernel in [(1, True), (native.MAX_ROWS, True), (native.MAX_ROWS + 1, False), (16, False)]:
+        for rows, by_kernel in [(1, True), (native.MAX_ROWS, True), (native.MAX_ROWS + 1, False), (2 * native.MAX_ROWS, False)]:
             x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
             before = counting.calls
             out = run(x)
