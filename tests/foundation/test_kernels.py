@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from streamspec import StreamConfig, add_streams
+from streamspec import StreamConfig, add_streams, native
 from streamspec.decoding import generate, generate_autoregressive
 from streamspec.kernels import (
     DECODE_ATTENTION,
@@ -118,7 +118,7 @@ def test_bfloat16_layers_are_packed_and_match():
     assert pack_linear_layers(layer) == 1 and type(layer) is PackedLinear
     with torch.no_grad():
         # passes of more rows than streamspec's own bf16 kernel takes (tests/foundation/test_native.py) run oneDNN
-        x = torch.randn(9, 48, dtype=torch.bfloat16)
+        x = torch.randn(native.MAX_ROWS + 1, 48, dtype=torch.bfloat16)
         assert _ran_packed_kernel(lambda: layer(x))
         torch.testing.assert_close(layer(x), reference(x), rtol=2e-2, atol=2e-2)
         x = torch.randn(2, 48, dtype=torch.bfloat16)  # either kernel, the same product
