@@ -6,6 +6,7 @@ self time and grouped: linear layers, attention, the compiled graph's own code, 
 
     OMP_NUM_THREADS=1 python eval/step_profile.py
     OMP_NUM_THREADS=1 python eval/step_profile.py --configs "bfloat16 packed compiled"
+    OMP_NUM_THREADS=1 python eval/step_profile.py --configs "bfloat16 packed compiled" --tree-top-k 2,1,1  # tree passes
 """
 
 from __future__ import annotations
@@ -41,20 +42,23 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="streamspec:smollm2-135m-sql-streams")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS[:3]), choices=CONFIGS)
     parser.add_argument("--passes", type=int, default=32)
+    parser.add_argument("--tree-top-k", default=None, help="profile draft-tree passes of this shape (e.g. 2,1,1) instead of one token a pass")
     args = parser.parse_args()
+    tree = tuple(int(k) for k in args.tree_top_k.split(",")) if args.tree_top_k else None
     torch.set_num_threads(torch.get_num_threads())
-    print(f"{cpu_model()}, {torch.get_num_threads()} thread(s), {args.passes} one-token passes")
+    what = f"tree {args.tree_top_k} passes" if tree else "one-token passes"
+    print(f"{cpu_model()}, {torch.get_num_threads()} thread(s), {args.passes} {what}")
     for name in args.configs:
         dtype = name.split()[0]
         loaded = load_for_inference(args.checkpoint, dtype=dtype, cpu_kernels="packed" in name)
-        config = DecodeConfig(compile="compiled" in name)
+        config = DecodeConfig(compile="compiled" in name, tree_top_k=tree)
         ids = prompt_ids(loaded.tokenizer, task_rows("sql", "test")[0])
-        generate(loaded.model, ids, 8, speculative=False, config=config)  # compiles (or loads) the graph first
+        generate(loaded.model, ids, 8, speculative=tree is not None, config=config)  # compiles (or loads) the graph first
         # the prefill alone, then the prefill and the passes: the difference per operator is the passes'
         times = []
         for tokens in (1, args.passes + 1):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                out = generate(loaded.model, ids, tokens, speculative=False, config=config)
+                out = generate(loaded.model, ids, tokens, speculative=tree is not None, config=config)
             times.append({e.key: e.self_cpu_time_total for e in prof.key_averages()})
         passes = out.forward_passes - 1
         step_ms = 1000 * sum(out.seconds_per_pass[1:]) / passes

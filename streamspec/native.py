@@ -35,10 +35,12 @@ _SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.cpp"
 #: brackets): 1 row 23.8 ms (34.2), 4: 27.4 (40.6), 7: 32.3 (49.2), 16: 33.1 (54.5),
 #: 28: 51.4 (61.0), 64: 90.4 (125.6).
 MAX_ROWS = 64
-#: Passes of at most this many query rows take the attention kernel (it reads each key once per
-#: query head and row: against torch's operators 0.45x their time for one row, 768 keys, SmolLM2's
-#: 9 heads, 0.8-0.9x for four to seven rows, behind from sixteen; measured here, one thread).
-ATTENTION_MAX_ROWS = 8
+#: Passes of at most this many query rows take the attention kernel. It reads each key once per
+#: query row for the scores (float32 softmax, a vectorised exp), and each value once for up to four
+#: rows of a key-value head (its query heads x the pass's rows) at once. One layer, 768 keys,
+#: SmolLM2's 9 query and 3 key-value heads, one thread, against torch's operators (sdpa on the
+#: repeated heads): 1 row 44 us (1206), 7: 259 (664), 28: 758 (899), 64: 1672 (1906).
+ATTENTION_MAX_ROWS = 64
 _UNSET = object()
 _MODULE = _UNSET
 

@@ -192,11 +192,35 @@ SS_TARGET inline __m512 bf16_to_f32(const at::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// One query row against `length` keys: `V` 16-lane vectors of the head's dim (dim <= 16 V).
+// e^x for 16 lanes (x <= 0 here: scores minus their maximum), to float32's precision: 2^n e^r with
+// |r| <= ln2/2 (ln 2 split in two parts) and a degree-6 polynomial for e^r; x below -87.3 (and -inf, a
+// masked key) gives exactly 0.
+SS_TARGET inline __m512 exp_ps(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  // times 2^n (n >= -126 for x >= -87.3: a normal number)
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps((__mmask16)~zero, y, _mm512_castsi512_ps(e));
+}
+
+// One query row's scores against `length` keys (times `scale`, plus its mask), into `scores`;
+// returns their maximum (-inf: the row may see no key).
 template <int V>
-SS_TARGET void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v,
-                          int64_t v_stride, const float* mask, const bool* allowed, int64_t mask_stride, int64_t length, int64_t dim,
-                          float scale, float* scores, at::BFloat16* out) {
+SS_TARGET float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t k_stride, const float* mask,
+                           const bool* allowed, int64_t mask_stride, int64_t length, int64_t dim, float scale,
+                           float* scores) {
   constexpr int C = (V + 1) / 2;  // 32-wide bf16 chunks of the dim
   __mmask32 kmask[C];
   __m512bh qv[C];
@@ -240,44 +264,104 @@ SS_TARGET void attend_row(const at::BFloat16* q, const at::BFloat16* k, int64_t 
     scores[l] = s;
     best = std::max(best, s);
   }
-  if (best == -std::numeric_limits<float>::infinity()) {  // a row that may see nothing: zeros, as sdpa
-    for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(0.f);
-    return;
+  return best;
+}
+
+// Scores -> e^(score - best) in place (16 lanes at a time; the tail padded with -inf in the
+// buffer's spare 16); returns their sum.
+SS_TARGET float row_exp(float* scores, int64_t length, float best) {
+  const __m512 best_v = _mm512_set1_ps(best);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t l = 0; l < length; l += 16) {
+    const __mmask16 m = length - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (length - l)) - 1u);
+    const __m512 p = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + l), best_v)));
+    _mm512_mask_storeu_ps(scores + l, m, p);
+    total = _mm512_add_ps(total, p);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// NQ query rows (of one key-value head: its query heads and rows) against its `length` keys: each
+// row's scores and softmax, then the weighted sums of values for all NQ rows at once, each value
+// read and widened to float32 once for them. `V` 16-lane vectors of the head's dim (dim <= 16 V).
+template <int V, int NQ>
+SS_TARGET void attend_rows(const at::BFloat16* const* q, const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v,
+                           int64_t v_stride, const float* const* mask, const bool* const* allowed, int64_t mask_stride,
+                           int64_t length, int64_t dim, float scale, float* scores /* [NQ][length + 16] */,
+                           at::BFloat16* const* out) {
+  const int64_t ld = length + 16;
+  float inv[NQ];
+  bool any = false;
+  for (int i = 0; i < NQ; ++i) {
+    float* s = scores + i * ld;
+    const float best = row_scores<V>(q[i], k, k_stride, mask[i], allowed[i], mask_stride, length, dim, scale, s);
+    if (best == -std::numeric_limits<float>::infinity()) {  // a row that may see nothing: zeros, as sdpa
+      for (int64_t j = 0; j < length; ++j) s[j] = 0.f;
+      inv[i] = 0.f;
+    } else {
+      inv[i] = 1.f / row_exp(s, length, best);
+      any = true;
+    }
   }
   __mmask16 vmask[V];
-  __m512 acc[V];
+  __m512 acc[NQ][V];
 #pragma GCC unroll 16
   for (int c = 0; c < V; ++c) {
     const int64_t left = dim - c * 16;
     vmask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-    acc[c] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < NQ; ++i) acc[i][c] = _mm512_setzero_ps();
   }
-  float total = 0.f;
-  for (int64_t j = 0; j < length; ++j) {
-    const float p = std::exp(scores[j] - best);
-    total += p;
-    if (p == 0.f) continue;
-    const __m512 pv = _mm512_set1_ps(p);
-    const at::BFloat16* vl = v + j * v_stride;
+  if (any) {
+    for (int64_t j = 0; j < length; ++j) {
+      const at::BFloat16* vl = v + j * v_stride;
+      __m512 vv[V];
 #pragma GCC unroll 16
-    for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(pv, bf16_to_f32(vl + c * 16, vmask[c]), acc[c]);
+      for (int c = 0; c < V; ++c) vv[c] = bf16_to_f32(vl + c * 16, vmask[c]);
+#pragma GCC unroll 8
+      for (int i = 0; i < NQ; ++i) {
+        const __m512 pv = _mm512_set1_ps(scores[i * ld + j]);
+#pragma GCC unroll 16
+        for (int c = 0; c < V; ++c) acc[i][c] = _mm512_fmadd_ps(pv, vv[c], acc[i][c]);
+      }
+    }
   }
-  const __m512 inv = _mm512_set1_ps(1.f / total);
-  float row[16 * V];
+#pragma GCC unroll 8
+  for (int i = 0; i < NQ; ++i) {
+    const __m512 iv = _mm512_set1_ps(inv[i]);
 #pragma GCC unroll 16
-  for (int c = 0; c < V; ++c) _mm512_storeu_ps(row + c * 16, _mm512_mul_ps(acc[c], inv));
-  for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(row[d]);
+    for (int c = 0; c < V; ++c) {
+      // (a row that sees nothing: exact zeros, whatever the values hold)
+      const __m256i r = (__m256i)_mm512_cvtneps_pbh(inv[i] == 0.f ? _mm512_setzero_ps() : _mm512_mul_ps(acc[i][c], iv));
+      _mm256_mask_storeu_epi16((void*)(out[i] + c * 16), vmask[c], r);
+    }
+  }
 }
 
-using AttendRow = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
-                           const float*, const bool*, int64_t, int64_t, int64_t, float, float*, at::BFloat16*);
+// Query rows a group, by the head's dim: the value sums of all of them in registers.
+constexpr int group_rows(int V) { return V <= 4 ? 4 : V <= 8 ? 2 : 1; }
 
-AttendRow attend_row_for(int64_t dim) {
-  if (dim <= 32) return attend_row<2>;
-  if (dim <= 64) return attend_row<4>;
-  if (dim <= 128) return attend_row<8>;
-  return attend_row<16>;  // dim <= 256
+using AttendRows = void (*)(const at::BFloat16* const*, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
+                            const float* const*, const bool* const*, int64_t, int64_t, int64_t, float, float*,
+                            at::BFloat16* const*);
+
+template <int V>
+AttendRows attend_rows_for(int n) {
+  constexpr int G = group_rows(V);
+  if (n >= G) return attend_rows<V, G>;
+  if (G >= 3 && n == 3) return attend_rows<V, (G >= 3 ? 3 : 1)>;
+  if (G >= 2 && n == 2) return attend_rows<V, (G >= 2 ? 2 : 1)>;
+  return attend_rows<V, 1>;
 }
+
+AttendRows attend_rows_for(int64_t dim, int n) {
+  if (dim <= 32) return attend_rows_for<2>(n);
+  if (dim <= 64) return attend_rows_for<4>(n);
+  if (dim <= 128) return attend_rows_for<8>(n);
+  return attend_rows_for<16>(n);  // dim <= 256
+}
+
+int group_rows_for(int64_t dim) { return dim <= 64 ? group_rows(4) : dim <= 128 ? group_rows(8) : group_rows(16); }
 
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const c10::optional<torch::Tensor>& mask, double scale) {
@@ -309,20 +393,30 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   const bool* ap = boolean ? m.data_ptr<bool>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t per_group = heads / groups;
-  const AttendRow attend_row = attend_row_for(dim);
-  at::parallel_for(0, batch * heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(length + 16);
+  // the rows of one key-value head (its query heads x the pass's rows), in groups that share each value's read
+  const int64_t shared = per_group * rows, per = group_rows_for(dim);
+  const int64_t blocks = (shared + per - 1) / per;
+  at::parallel_for(0, batch * groups * blocks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(per * (length + 16));
+    const at::BFloat16* qs[4];
+    const float* ms[4];
+    const bool* as[4];
+    at::BFloat16* os[4];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / heads, h = i % heads, g = h / per_group;
+      const int64_t b = i / (groups * blocks), g = (i / blocks) % groups, first = (i % blocks) * per;
+      const int n = static_cast<int>(std::min<int64_t>(per, shared - first));
+      for (int r = 0; r < n; ++r) {
+        const int64_t h = g * per_group + (first + r) / rows, t = (first + r) % rows;
+        const int64_t at = m.defined() ? b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : 0;
+        qs[r] = qp + ((b * heads + h) * rows + t) * dim;
+        ms[r] = mp != nullptr ? mp + at : nullptr;
+        as[r] = ap != nullptr ? ap + at : nullptr;
+        os[r] = op + ((b * rows + t) * heads + h) * dim;
+      }
       const at::BFloat16* kb = kp + b * key.stride(0) + g * key.stride(1);
       const at::BFloat16* vb = vp + b * value.stride(0) + g * value.stride(1);
-      for (int64_t t = 0; t < rows; ++t) {
-        const int64_t at = m.defined() ? b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : 0;
-        attend_row(qp + ((b * heads + h) * rows + t) * dim, kb, key.stride(2), vb, value.stride(2),
-                   mp != nullptr ? mp + at : nullptr, ap != nullptr ? ap + at : nullptr,
-                   m.defined() ? m.stride(3) : 0, length, dim, static_cast<float>(scale), scores.data(),
-                   op + ((b * rows + t) * heads + h) * dim);
-      }
+      attend_rows_for(dim, n)(qs, kb, key.stride(2), vb, value.stride(2), ms, as, m.defined() ? m.stride(3) : 0, length,
+                              dim, static_cast<float>(scale), scores.data(), os);
     }
   });
   return out;

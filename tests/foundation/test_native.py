@@ -158,11 +158,12 @@ def _attention_float64(q, k, v, mask, scale):
 
 
 @pytest.mark.parametrize("dim", [8, 20, 40, 64, 80, 128, 200, 256])
-@pytest.mark.parametrize("length, rows", [(0, 1), (5, 1), (16, 3), (37, 8), (100, 2)])
+@pytest.mark.parametrize("length, rows", [(0, 1), (5, 1), (16, 3), (37, 8), (100, 2), (70, 29), (33, 64)])
 def test_the_attention_kernel_is_attention_up_to_bf16_rounding(kernel, dim, length, rows):
     """Every head size the kernel takes (its 16-, 32-, 64-, 128- and 256-wide paths and their
     tails), caches shorter and longer than its 16-key blocks, keys sliced from a longer buffer,
-    a mask read with a stride, a row that may see nothing (zeros, as sdpa gives)."""
+    a mask read with a stride, a row that may see nothing (zeros, as sdpa gives), passes of up to
+    64 rows (the values' sums shared by up to four rows of a key-value head)."""
     torch.manual_seed(dim * 100 + length + rows)
     q = torch.randn(2, 6, rows, dim, dtype=torch.bfloat16)
     cache_k = torch.randn(2, 2, length + 9, dim, dtype=torch.bfloat16)
@@ -186,6 +187,9 @@ def test_the_attention_kernel_is_attention_up_to_bf16_rounding(kernel, dim, leng
     assert torch.equal(boolean, out)  # a boolean mask reads as the additive one
     none = kernel.decode_attention(q, k, v, None, dim ** -0.5)
     torch.testing.assert_close(none.double(), _attention_float64(q, k, v, None, dim ** -0.5), rtol=2e-2, atol=2e-2)
+    # a row's output does not depend on the rows and heads it shares a pass with
+    last = kernel.decode_attention(q[:, :, -1:], k, v, mask[:, :, -1:], dim ** -0.5)
+    assert torch.equal(last[:, 0], out[:, -1])
 
 
 def test_the_attention_kernel_refuses_what_it_cannot_attend(kernel):
