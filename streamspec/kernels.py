@@ -37,9 +37,10 @@ with transformers as ``"streamspec_sdpa"``: torch's CPU flash kernel spent ~0.9 
 bfloat16 query against 768 cached keys, ~0.15 ms this way; longer passes (the prefill) go to
 transformers' ``sdpa``. `default_kernels` runs a model on the defaults inside a block.
 
-On CPUs with AVX-512 BF16, bf16 layers and the decoding attention also use streamspec's own C++
-kernels for passes of a few rows (`streamspec.native`, built on first use): a weight read as one
-sequential stream, the cache read in place; longer passes stay on oneDNN and torch's operators.
+On CPUs with AVX-512 BF16, bf16 and float32 layers and the bf16 decoding attention also use
+streamspec's own C++ kernels for passes of up to 64 rows (`streamspec.native`, built on first use):
+a weight read as one sequential stream, the cache read in place; longer passes (prompts) stay on
+oneDNN and torch's operators.
 """
 
 from __future__ import annotations
@@ -123,12 +124,12 @@ def _pack_key(weight: torch.Tensor) -> tuple:
 
 
 def _make_pack(weight: torch.Tensor, own: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(oneDNN's packed weight, streamspec's own bf16 layout or None): the second for bf16 weights
-    where `streamspec.native.bf16_linear` runs (passes of up to `native.MAX_ROWS` rows take it),
-    unless `own` is False."""
+    """(oneDNN's packed weight, streamspec's own layout or None): the second for bf16 and float32
+    weights where `streamspec.native.bf16_linear` runs (passes of up to `native.MAX_ROWS` rows take
+    it), unless `own` is False."""
     w = weight.detach()
     onednn = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT)
-    kernel = native.bf16_linear() if own and w.dtype == torch.bfloat16 else None
+    kernel = native.bf16_linear() if own and w.dtype in (torch.bfloat16, torch.float32) else None
     return onednn, (kernel.pack(w) if kernel is not None else None)
 
 
@@ -228,9 +229,9 @@ def pack_linear_layers(model: nn.Module, own_kernel: bool = True) -> int:
     autograd-visible ops (``copy_``, ``load_state_dict``) is packed again at its next call; one
     changed through ``.data`` is not seen: call this again (it re-packs packed layers).
 
-    bfloat16 layers also get streamspec's own kernel for passes of a few rows where it runs
-    (`streamspec.native`; it costs the weights' memory once more); ``own_kernel=False`` keeps
-    them on oneDNN alone (to compare the two).
+    bfloat16 and float32 layers also get streamspec's own kernel for passes of up to
+    `native.MAX_ROWS` rows where it runs (`streamspec.native`; it costs the weights' memory once
+    more); ``own_kernel=False`` keeps them on oneDNN alone (to compare the two).
 
     Raises RuntimeError when this torch build has no oneDNN (see `cpu_kernels_available`).
     """

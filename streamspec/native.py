@@ -1,13 +1,14 @@
-"""streamspec's own C++ CPU kernels, built on first use, for decoding passes of a few rows in
-bfloat16 on CPUs with AVX-512 BF16 (`streamspec/csrc/bf16_linear.cpp`): a linear layer, and the
-attention of a few query rows against the cache.
+"""streamspec's own C++ CPU kernels, built on first use, for decoding passes of a few rows on CPUs
+with AVX-512 BF16 (`streamspec/csrc/bf16_linear.cpp`): a linear layer in bfloat16 and in float32,
+and the bf16 attention of a few query rows against the cache.
 
 oneDNN's bf16 inner product, the best torch offers for one row on a CPU, read this project's
 model at ~9 GB/s on one core of a machine whose core reads ~27 GB/s: a decoding pass costs what
 its weights' reading costs, so that gap is the step's. The kernel lays each weight out once as
 one sequential stream and reads it at ~19-25 GB/s for one to six rows (`python eval/linear_kernels.py`
-compares them on a machine). `streamspec.kernels.pack_linear_layers` uses it beside oneDNN's pack
-for bf16 layers: passes of up to `MAX_ROWS` rows take it, longer ones oneDNN. The attention
+compares them on a machine); float32 weights, laid out the same way, read at ~20 GB/s where
+oneDNN's float32 read ~9. `streamspec.kernels.pack_linear_layers` uses it beside oneDNN's pack
+for bf16 and float32 layers: passes of up to `MAX_ROWS` rows take it, longer ones oneDNN. The attention
 (`streamspec.kernels.decode_attention_forward`, bf16 passes of up to `ATTENTION_MAX_ROWS` rows) reads each key-value
 head's cached keys and values in place, with the scores, softmax and sums in float32, where the
 torch path copied the whole cache to float32 in every layer of every pass.
@@ -65,8 +66,10 @@ def ready() -> bool:
 
 
 def bf16_linear():
-    """The built kernel module (``pack(weight)``, ``linear(x, packed, out_features, bias)``), or
-    None where it cannot run here (see the module's docstring). Built at most once a process."""
+    """The built kernel module (``pack(weight)`` for a bfloat16 or float32 weight,
+    ``linear(x, packed, out_features, bias)`` in the weight's dtype, ``decode_attention`` in
+    bfloat16), or None where it cannot run here (see the module's docstring). Built at most once a
+    process."""
     global _MODULE
     if _MODULE is not _UNSET:
         return _MODULE

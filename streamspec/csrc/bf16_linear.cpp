@@ -37,9 +37,16 @@ bool cpu_supported() {
 
 torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack: the weight must be 2-D (out_features, in_features), got ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack: the weight must be bfloat16, got ", weight.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
+              "pack: the weight must be bfloat16 or float32, got ", weight.scalar_type());
   TORCH_CHECK(weight.device().is_cpu(), "pack: the weight must be on the CPU");
   const int64_t n = weight.size(0), k = weight.size(1);
+  if (weight.scalar_type() == at::kFloat) {  // [N/64][K][64]: each input's 64 weights of a tile together
+    const int64_t np = (n + kTile - 1) / kTile * kTile;
+    auto padded = torch::zeros({np, k}, weight.options());
+    padded.narrow(0, 0, n).copy_(weight);
+    return padded.view({np / kTile, kTile, k}).permute({0, 2, 1}).contiguous();
+  }
   const int64_t np = (n + kTile - 1) / kTile * kTile, kp = (k + 1) / 2 * 2;
   auto padded = torch::zeros({np, kp}, weight.options());
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
@@ -99,6 +106,65 @@ inline void tile_rows(const at::BFloat16* x, int64_t ldx, int64_t k, const at::B
   }
 }
 
+// The float32 kernel: the same tiles, one input a step ([N/64][K][64]), each row's input broadcast
+// against four registers of weights (`vfmadd`), sums in input order (a row's bits do not depend on
+// the rows beside it).
+template <int MB>
+__attribute__((target("avx512f")))
+inline void tile_rows_f32(const float* x, int64_t ldx, int64_t k, const float* w, const float* bias, float* out,
+                          int64_t ldo, int64_t valid) {
+  __m512 acc[MB][4];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < k; ++d) {
+    const float* wd = w + d * kTile;
+    __m512 wv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wd + j * 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * ldx + d]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c0 = j * 16;
+    if (c0 >= valid) break;
+    const __mmask16 cm = valid - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid - c0)) - 1u);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(cm, bias + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(out + m * ldo + c0, cm, _mm512_add_ps(acc[m][j], bv));
+  }
+}
+
+__attribute__((target("avx512f")))
+void tiles_f32(const float* x, int64_t rows, int64_t k, const float* w, const float* bias, float* out, int64_t n,
+               int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* wt = w + t * k * kTile;
+    const int64_t c = t * kTile, valid = std::min<int64_t>(kTile, n - c);
+    const float* bt = bias != nullptr ? bias + c : nullptr;
+    for (int64_t m = 0, passes = (rows + kRowsMax - 1) / kRowsMax; m < rows; --passes) {
+      const int64_t mb = (rows - m + passes - 1) / passes;
+      const float* xm = x + m * k;
+      float* om = out + m * n + c;
+      switch (mb) {
+        case 6: tile_rows_f32<6>(xm, k, k, wt, bt, om, n, valid); break;
+        case 5: tile_rows_f32<5>(xm, k, k, wt, bt, om, n, valid); break;
+        case 4: tile_rows_f32<4>(xm, k, k, wt, bt, om, n, valid); break;
+        case 3: tile_rows_f32<3>(xm, k, k, wt, bt, om, n, valid); break;
+        case 2: tile_rows_f32<2>(xm, k, k, wt, bt, om, n, valid); break;
+        default: tile_rows_f32<1>(xm, k, k, wt, bt, om, n, valid); break;
+      }
+      m += mb;
+    }
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 void tiles(const at::BFloat16* x, int64_t rows, int64_t k, const at::BFloat16* w, const at::BFloat16* bias,
            at::BFloat16* out, int64_t n, int64_t t0, int64_t t1) {
@@ -127,29 +193,44 @@ void tiles(const at::BFloat16* x, int64_t rows, int64_t k, const at::BFloat16* w
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                      const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "linear: x and the packed weight must be bfloat16");
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || f32) && packed.scalar_type() == x.scalar_type(),
+              "linear: x and the packed weight must be both bfloat16 or both float32, got ", x.scalar_type(), " and ",
+              packed.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: x and the weight must be on the CPU");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous(),
-              "linear: the weight was not laid out by pack(): ", packed.sizes());
+  const int64_t k = x.size(-1);
+  if (f32) {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous(),
+                "linear: the weight was not laid out by pack(): ", packed.sizes());
+    TORCH_CHECK(packed.size(1) == k, "linear: x has ", k, " inputs, the weight ", packed.size(1));
+  } else {
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous(),
+                "linear: the weight was not laid out by pack(): ", packed.sizes());
+    TORCH_CHECK((k + 1) / 2 == packed.size(1), "linear: x has ", k, " inputs, the weight ", packed.size(1) * 2, " (padded)");
+  }
   TORCH_CHECK(packed.size(0) * kTile >= n && n > packed.size(0) * kTile - kTile, "linear: the packed weight ",
               packed.sizes(), " does not have ", n, " outputs");
-  const int64_t k = x.size(-1);
-  TORCH_CHECK((k + 1) / 2 == packed.size(1), "linear: x has ", k, " inputs, the weight ", packed.size(1) * 2, " (padded)");
   auto x2 = x.reshape({-1, k}).contiguous();
   const int64_t rows = x2.size(0);
   auto out = torch::empty({rows, n}, x.options());
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == n, "linear: the bias must be bfloat16 with ", n, " values");
+    TORCH_CHECK(b.scalar_type() == x.scalar_type() && b.numel() == n, "linear: the bias must be ", x.scalar_type(),
+                " with ", n, " values");
   }
-  const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t nt = (n + kTile - 1) / kTile;
-  if (rows > 0) {
+  if (rows > 0 && f32) {
+    const float* xp = x2.data_ptr<float>();
+    const float* wp = packed.data_ptr<float>();
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, nt, 2, [&](int64_t t0, int64_t t1) { tiles_f32(xp, rows, k, wp, bp, op, n, t0, t1); });
+  } else if (rows > 0) {
+    const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
+    const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
     at::parallel_for(0, nt, 2, [&](int64_t t0, int64_t t1) { tiles(xp, rows, k, wp, bp, op, n, t0, t1); });
   }
   auto sizes = x.sizes().vec();

@@ -1,5 +1,5 @@
-"""streamspec's own bf16 CPU kernel (`streamspec.native`, `streamspec/csrc/bf16_linear.cpp`):
-the products of float64 up to bf16's rounding for every shape (padding of rows and inputs, bias,
+"""streamspec's own CPU kernels (`streamspec.native`, `streamspec/csrc/bf16_linear.cpp`):
+the products of float64 up to bf16's (float32's) rounding for every shape (padding of rows and inputs, bias,
 3-D and strided inputs), a row's bits independent of the rows beside it, the passes of a few rows
 routed to it and longer ones to oneDNN, eager and compiled."""
 
@@ -38,26 +38,42 @@ def _within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b
     assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
 
 
+def _within_float32_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    if x.numel() == 0:
+        return
+    # float32 sums of K products: K roundings of at most 2^-24 of the running sum's magnitude
+    scale = (x.double().abs() @ w.double().abs().T) + (b.double().abs() if b is not None else 0.0)
+    assert ((out.double() - exact).abs() <= scale * x.shape[-1] * 2.0 ** -23 + 1e-30).all()
+
+
 @pytest.mark.parametrize("n, k", [(96, 48), (13, 45), (8, 32), (9, 33), (7, 1), (1536, 576), (40, 100)])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 12, 13, 25])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_kernel_is_the_exact_product_up_to_bf16_rounding(kernel, n, k, rows, bias):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_is_the_exact_product_up_to_rounding(kernel, n, k, rows, bias, dtype):
     torch.manual_seed(n * 1000 + k + rows)
-    w = torch.randn(n, k, dtype=torch.bfloat16)
-    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
-    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    check = _within_bf16_rounding if dtype == torch.bfloat16 else _within_float32_rounding
+    w = torch.randn(n, k, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    x = torch.randn(rows, k, dtype=dtype)
     packed = kernel.pack(w)
-    _within_bf16_rounding(kernel.linear(x, packed, n, b), x, w, b)
+    check(kernel.linear(x, packed, n, b), x, w, b)
     # 3-D and strided inputs
-    x3 = torch.randn(2, rows, 2 * k, dtype=torch.bfloat16)[..., ::2]
+    x3 = torch.randn(2, rows, 2 * k, dtype=dtype)[..., ::2]
     out = kernel.linear(x3, packed, n, b)
     assert out.shape == (2, rows, n)
-    _within_bf16_rounding(out.reshape(-1, n), x3.reshape(-1, k), w, b)
+    check(out.reshape(-1, n), x3.reshape(-1, k), w, b)
 
 
 def test_the_kernel_refuses_what_it_cannot_multiply(kernel):
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel.pack(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernel.pack(torch.randn(8, 32, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="both bfloat16 or both float32"):
+        kernel.linear(torch.randn(1, 32), kernel.pack(torch.randn(8, 32, dtype=torch.bfloat16)), 8, None)
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernel.linear(torch.randn(1, 16), kernel.pack(torch.randn(8, 32)), 8, None)
     with pytest.raises(RuntimeError, match="2-D"):
         kernel.pack(torch.randn(2, 8, 32, dtype=torch.bfloat16))
     packed = kernel.pack(torch.randn(8, 64, dtype=torch.bfloat16))
@@ -134,16 +150,19 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(native, "_MODULE", native._UNSET)  # decided again by the next caller
 
 
-def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernel):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [7, 29])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernel, dtype, rows):
     """Each row's sums run in one order whatever else is in the pass: a row alone and the same row
     among others give identical bits (what lets a decoder on the kernel verify as it decodes)."""
     torch.manual_seed(1)
-    w = torch.randn(100, 576, dtype=torch.bfloat16)
+    w = torch.randn(100, 576, dtype=dtype)
     packed = kernel.pack(w)
-    x = torch.randn(7, 576, dtype=torch.bfloat16)
+    x = torch.randn(rows, 576, dtype=dtype)
     together = kernel.linear(x, packed, 100, None)
-    for i in range(7):
+    for i in range(rows):
         assert torch.equal(kernel.linear(x[i:i + 1], packed, 100, None)[0], together[i])
+    assert torch.equal(kernel.linear(x[2:5], packed, 100, None), together[2:5])
 
 
 def _attention_float64(q, k, v, mask, scale):
