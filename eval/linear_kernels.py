@@ -1,6 +1,6 @@
 """Time the default model's linear layers with torch's default CPU kernels, with packed oneDNN
-kernels (`streamspec.kernels`) and, in bfloat16 on CPUs with AVX-512 BF16, with streamspec's own
-kernel (`streamspec.native`), for the row counts decoding uses.
+kernels (`streamspec.kernels`) and, on CPUs with AVX-512 BF16, with streamspec's own kernel
+(`streamspec.native`, bfloat16 and float32), for the row counts decoding uses.
 
     OMP_NUM_THREADS=1 python eval/linear_kernels.py
     OMP_NUM_THREADS=1 python eval/linear_kernels.py --dtype bfloat16 --rows 1 2 3 4 8 16
@@ -46,7 +46,7 @@ def main() -> None:
     weight_bytes = {"layers": sum(m.weight.numel() * m.weight.element_size() for m in layers),
                     "head": head.weight.numel() * head.weight.element_size()}
     # the ways to time: torch's defaults, oneDNN packed, and streamspec's own bf16 kernel where it runs
-    ways = ["default", "packed"] + (["native"] if dtype == torch.bfloat16 and native.bf16_linear() else [])
+    ways = ["default", "packed"] + (["native"] if native.bf16_linear() else [])
     for rows in args.rows:
         inputs = {width: torch.randn(rows, width, dtype=dtype) for width in {layer.in_features for layer in layers}}
 

@@ -10,7 +10,8 @@ the timed prompts meet, so compile time is paid (and reported) before them.
     OMP_NUM_THREADS=1 python eval/step_speed.py --checkpoint streamspec:smollm2-135m-sql-streams --limit 5
     OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes bfloat16 --lookup 8,1,3 --limit 5   # lookup trees compiled
     OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes "bfloat16" "bfloat16 packed" --limit 5  # streamspec's CPU kernels
-    OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes "bfloat16 packed" "bfloat16 packed onednn" --limit 5  # its own bf16 kernels or not
+    OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes "bfloat16 packed" "bfloat16 packed onednn" --limit 5  # its own kernels or not
+    OMP_NUM_THREADS=1 python eval/step_speed.py --dtypes "float32 packed" "float32 packed onednn" --limit 5
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def main() -> None:
     parser.add_argument("--lookup", default=None, metavar="L,M[,N]",
                         help="also the tree with these prompt-lookup branches, eager and compiled")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32 packed", "bfloat16 packed"],
-                        choices=["float32", "bfloat16", "float32 packed", "bfloat16 packed", "bfloat16 packed onednn"],
+                        choices=["float32", "bfloat16", "float32 packed", "bfloat16 packed", "float32 packed onednn",
+                                 "bfloat16 packed onednn"],
                         help="which models to run: torch's and transformers' default kernels, or ('packed') "
                              "streamspec's CPU kernels (streamspec.kernels: packed oneDNN layers, the decoding "
-                             "attention; 'onednn': bf16 layers on oneDNN alone and attention on torch's operators, without "
+                             "attention; 'onednn': layers on oneDNN alone and attention on torch's operators, without "
                              "streamspec's own kernels, streamspec.native); the reference for agreement is float32 one token when run")
     parser.add_argument("--out", default=None, help="a JSON file for the figures")
     args = parser.parse_args()
@@ -56,12 +58,13 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):  # what streamspec runs by default on a CPU: its own kernels
         if f"{dtype} packed" in args.dtypes:
             models[f"{dtype} packed"] = load_for_inference(args.checkpoint, dtype=dtype)
-    if "bfloat16 packed onednn" in args.dtypes:
-        onednn = load_for_inference(args.checkpoint, dtype="bfloat16")
-        unpack_linear_layers(onednn.model)
-        pack_linear_layers(onednn.model, own_kernel=False)
-        use_decode_attention(onednn.model, own_kernel=False)
-        models["bfloat16 packed onednn"] = onednn
+    for dtype in ("float32", "bfloat16"):  # the same on oneDNN and torch's attention alone
+        if f"{dtype} packed onednn" in args.dtypes:
+            onednn = load_for_inference(args.checkpoint, dtype=dtype)
+            unpack_linear_layers(onednn.model)
+            pack_linear_layers(onednn.model, own_kernel=False)
+            use_decode_attention(onednn.model, own_kernel=False)
+            models[f"{dtype} packed onednn"] = onednn
     tokenizer = next(iter(models.values())).tokenizer
     eos = tokenizer.eos_token_id
     rows = task_rows(args.task, "test")[: args.limit]
