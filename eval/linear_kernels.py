@@ -45,7 +45,7 @@ def main() -> None:
     head = model.get_output_embeddings()
     weight_bytes = {"layers": sum(m.weight.numel() * m.weight.element_size() for m in layers),
                     "head": head.weight.numel() * head.weight.element_size()}
-    # the ways to time: torch's defaults, oneDNN packed, and streamspec's own bf16 kernel where it runs
+    # the ways to time: torch's defaults, oneDNN packed, and streamspec's own kernel (bf16 or float32) where it runs
     ways = ["default", "packed"] + (["native"] if native.bf16_linear() else [])
     for rows in args.rows:
         inputs = {width: torch.randn(rows, width, dtype=dtype) for width in {layer.in_features for layer in layers}}

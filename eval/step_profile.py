@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     tree = tuple(int(k) for k in args.tree_top_k.split(",")) if args.tree_top_k else None
     torch.set_num_threads(torch.get_num_threads())
-    what = f"tree {args.tree_top_k} passes" if tree else "one-token passes"
+    what = f"tree {args.tree_top_k} passes (the passes of {args.passes} new tokens)" if tree else "one-token passes"
     print(f"{cpu_model()}, {torch.get_num_threads()} thread(s), {args.passes} {what}")
     for name in args.configs:
         dtype = name.split()[0]

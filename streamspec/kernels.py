@@ -84,7 +84,8 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` whose no-grad float32/bfloat16 CPU calls go to oneDNN with a packed weight.
+    """An `nn.Linear` whose no-grad float32/bfloat16 CPU calls go to packed kernels: streamspec's
+    own (`streamspec.native`) for passes of up to `native.MAX_ROWS` rows where it runs, else oneDNN.
     Made only by `pack_linear_layers` (it changes the class of existing layers; parameters, state
     dict and saving are untouched). Inside a compiled graph the call is the ``streamspec::packed_linear``
     operator (opaque to the compiler, the same kernel), so compiled decoding steps get it too."""
@@ -286,7 +287,9 @@ def default_linear_kernels(model: nn.Module):
 # -- attention for decoding passes ----------------------------------------------------------------
 #: The transformers attention implementation `use_decode_attention` switches a model to.
 DECODE_ATTENTION = "streamspec_sdpa"
-#: Passes of at most this many query rows (one token, a draft tree) take the grouped path.
+#: Passes of at most this many query rows (one token, a draft tree) take the grouped path of
+#: torch's operators; bf16 passes that streamspec's own kernel takes go up to
+#: `native.ATTENTION_MAX_ROWS`.
 DECODE_ATTENTION_MAX_QUERIES = 32
 
 
@@ -310,20 +313,21 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows = query.shape[2]
-    if (rows > DECODE_ATTENTION_MAX_QUERIES or query.device.type != "cpu" or dropout
+    batch, heads, _, dim = query.shape
+    # (the C++ kernel has no backward: with autograd recording, torch's operators)
+    own = (rows <= native.ATTENTION_MAX_ROWS and native.ready() and getattr(module, "_streamspec_native_attention", True)
+           and query.dtype == key.dtype == value.dtype == torch.bfloat16 and dim <= 256
+           and key.stride(-1) == 1 and value.stride(-1) == 1
+           and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
+    if ((rows > DECODE_ATTENTION_MAX_QUERIES and not own) or query.device.type != "cpu" or dropout
             or (attention_mask is None and rows > 1)
             or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux", "sinks"))
             or query.shape[1] % key.shape[1] or key.shape[-1] != value.shape[-1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    batch, heads, _, dim = query.shape
     groups, length = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim ** -0.5
-    if (rows <= native.ATTENTION_MAX_ROWS and native.ready() and getattr(module, "_streamspec_native_attention", True)
-            and query.dtype == key.dtype == value.dtype == torch.bfloat16 and dim <= 256
-            and key.stride(-1) == 1 and value.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
-        # (the kernel has no backward: with autograd recording, torch's operators below)
+    if own:
         mask = None
         if attention_mask is not None:  # boolean, or additive float32; broadcast to [B, H, T, L] by the kernel
             mask = attention_mask[..., :length]

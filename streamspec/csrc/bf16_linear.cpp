@@ -348,8 +348,7 @@ SS_TARGET float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t
   return best;
 }
 
-// Scores -> e^(score - best) in place (16 lanes at a time; the tail padded with -inf in the
-// buffer's spare 16); returns their sum.
+// Scores -> e^(score - best) in place (16 lanes at a time, the last block masked); returns their sum.
 SS_TARGET float row_exp(float* scores, int64_t length, float best) {
   const __m512 best_v = _mm512_set1_ps(best);
   __m512 total = _mm512_setzero_ps();
@@ -395,6 +394,11 @@ SS_TARGET void attend_rows(const at::BFloat16* const* q, const at::BFloat16* k, 
   }
   if (any) {
     for (int64_t j = 0; j < length; ++j) {
+      // a key no row of the group may see adds nothing (and a masked slot's value is never read)
+      bool seen = false;
+#pragma GCC unroll 8
+      for (int i = 0; i < NQ; ++i) seen |= scores[i * ld + j] != 0.f;
+      if (!seen) continue;
       const at::BFloat16* vl = v + j * v_stride;
       __m512 vv[V];
 #pragma GCC unroll 16
@@ -420,7 +424,10 @@ SS_TARGET void attend_rows(const at::BFloat16* const* q, const at::BFloat16* k, 
 }
 
 // Query rows a group, by the head's dim: the value sums of all of them in registers.
+constexpr int kGroupMax = 4;  // the pointer arrays of a group in `decode_attention`
 constexpr int group_rows(int V) { return V <= 4 ? 4 : V <= 8 ? 2 : 1; }
+static_assert(group_rows(2) <= kGroupMax && group_rows(4) <= kGroupMax && group_rows(8) <= kGroupMax &&
+              group_rows(16) <= kGroupMax, "a group's rows must fit decode_attention's arrays");
 
 using AttendRows = void (*)(const at::BFloat16* const*, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
                             const float* const*, const bool* const*, int64_t, int64_t, int64_t, float, float*,
@@ -442,7 +449,10 @@ AttendRows attend_rows_for(int64_t dim, int n) {
   return attend_rows_for<16>(n);  // dim <= 256
 }
 
-int group_rows_for(int64_t dim) { return dim <= 64 ? group_rows(4) : dim <= 128 ? group_rows(8) : group_rows(16); }
+// (the same choice as attend_rows_for's: a group of n <= group_rows_for(dim) rows runs attend_rows<V, n>)
+int group_rows_for(int64_t dim) {
+  return dim <= 32 ? group_rows(2) : dim <= 64 ? group_rows(4) : dim <= 128 ? group_rows(8) : group_rows(16);
+}
 
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const c10::optional<torch::Tensor>& mask, double scale) {
@@ -479,10 +489,10 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   const int64_t blocks = (shared + per - 1) / per;
   at::parallel_for(0, batch * groups * blocks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(per * (length + 16));
-    const at::BFloat16* qs[4];
-    const float* ms[4];
-    const bool* as[4];
-    at::BFloat16* os[4];
+    const at::BFloat16* qs[kGroupMax];
+    const float* ms[kGroupMax];
+    const bool* as[kGroupMax];
+    at::BFloat16* os[kGroupMax];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (groups * blocks), g = (i / blocks) % groups, first = (i % blocks) * per;
       const int n = static_cast<int>(std::min<int64_t>(per, shared - first));
@@ -507,7 +517,7 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX-512 BF16");
-  m.def("pack", &pack, "lay a bfloat16 (out, in) weight out for `linear`");
+  m.def("pack", &pack, "lay a bfloat16 or float32 (out, in) weight out for `linear`");
   m.def("linear", &linear, "x @ weight.T (+ bias) with a weight laid out by `pack`");
   m.def("decode_attention", &decode_attention, "attention of a few bf16 query rows against a cache, [B, T, H, D] out");
 }

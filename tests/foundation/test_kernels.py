@@ -188,14 +188,15 @@ def _ran_op(fn, name: str) -> bool:
     return any(name in event.key for event in prof.key_averages())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 12])
+@pytest.mark.parametrize("rows", [1, 3, 12, 48])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["float", "bool", "per_head", "none"])
 @pytest.mark.parametrize("own_kernel", [False, True])
 def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkeypatch):
     """The grouped decoding attention computes what transformers' sdpa computes (grouped-query
     heads, additive, boolean and per-head masks, no mask for one row), within rounding: on
-    torch's operators, and in bf16 on streamspec's own kernel (`streamspec.native`)."""
+    torch's operators, and in bf16 on streamspec's own kernel (`streamspec.native`), which takes
+    passes longer than the grouped path's (48 rows: a tree's stream layers)."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -208,7 +209,7 @@ def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkey
         if dtype != torch.bfloat16 or not native.cpu_has_avx512_bf16():
             pytest.skip("streamspec's own attention kernel runs bf16 on CPUs with AVX-512 BF16")
         assert native.bf16_linear() is not None, "streamspec's kernels did not build on a CPU with AVX-512 BF16"
-        monkeypatch.setattr(native, "ATTENTION_MAX_ROWS", 32)  # the kernel at every row count here
+        assert rows <= native.ATTENTION_MAX_ROWS  # the kernel at every row count here
         ran = []
         real = native.bf16_linear()
 

@@ -227,7 +227,7 @@ def test_an_input_of_another_width_is_refused_not_multiplied(kernel):
     layer = nn.Linear(64, 16).to(torch.bfloat16).eval()
     pack_linear_layers(layer)
     with torch.no_grad(), pytest.raises(RuntimeError):
-        layer(torch.randn(1, 40, dtype=torch.bfloat16))  # ceil(40/32) == ceil(64/32): must not pass
+        layer(torch.randn(1, 40, dtype=torch.bfloat16))  # an input of another width: oneDNN (which refuses it), never the kernel
 
 
 def test_attention_with_autograd_keeps_its_gradients(kernel):
