@@ -172,3 +172,31 @@ def test_real_small_model_joins_loads_and_matches_its_metadata():
         logits = model(ids).logits[0, -1]
     assert torch.isfinite(logits).all()
     assert tokenizer.decode(logits.argmax()).strip() == "Paris"
+
+
+@pytest.mark.skipif(not packages_installed(SMALL), reason="opt-in: run `make reason-assets`")
+def test_shipped_qwen_drafter_streams_keep_the_base_exact():
+    """The Qwen2.5-Coder-0.5B drafter's shipped reasoning streams (streamspec/weights/) load by
+    name onto the opt-in base, strictly, and decode its own greedy tokens on a GSM8K evaluation
+    problem in SpecReason's framing, in fewer passes than tokens."""
+    import torch
+
+    from streamspec.data.reasoning import solve_message
+    from streamspec.decoding.generate import generate
+    from streamspec.loading import load_for_inference
+    from streamspec.reason.tasks import load_problems
+
+    loaded = load_for_inference("streamspec:qwen2.5-coder-0.5b-reason-streams", device="cpu", dtype="float32",
+                                cpu_kernels=False)
+    assert loaded.streamed and loaded.model.stream_config.mode == "lossless"
+    tokenizer = loaded.tokenizer
+    problem = load_problems(task="gsm8k", limit=1)[0].question
+    text = tokenizer.apply_chat_template([{"role": "user", "content": solve_message(problem)}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
+    base = assets.load_base_model("streamspec:Qwen2.5-Coder-0.5B-Instruct").eval()
+    with torch.no_grad():
+        plain = base.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    out = generate(loaded.model, ids, 24, tree_top_k=(2, 1, 1), eos_token_id=tokenizer.eos_token_id)
+    assert out.tokens[0].tolist() == plain[: out.tokens.shape[1]] and out.tokens.shape[1] == min(len(plain), 24)
+    assert out.forward_passes < out.tokens.shape[1]
