@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -111,7 +112,7 @@ inline void tile_rows(const at::BFloat16* x, int64_t ldx, int64_t k, const at::B
 // the rows beside it).
 template <int MB>
 __attribute__((target("avx512f")))
-inline void tile_rows_f32(const float* x, int64_t ldx, int64_t k, const float* w, const float* bias, float* out,
+inline void tile_rows(const float* x, int64_t ldx, int64_t k, const float* w, const float* bias, float* out,
                           int64_t ldo, int64_t valid) {
   __m512 acc[MB][4];
 #pragma GCC unroll 8
@@ -141,43 +142,20 @@ inline void tile_rows_f32(const float* x, int64_t ldx, int64_t k, const float* w
   }
 }
 
-__attribute__((target("avx512f")))
-void tiles_f32(const float* x, int64_t rows, int64_t k, const float* w, const float* bias, float* out, int64_t n,
-               int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* wt = w + t * k * kTile;
-    const int64_t c = t * kTile, valid = std::min<int64_t>(kTile, n - c);
-    const float* bt = bias != nullptr ? bias + c : nullptr;
-    for (int64_t m = 0, passes = (rows + kRowsMax - 1) / kRowsMax; m < rows; --passes) {
-      const int64_t mb = (rows - m + passes - 1) / passes;
-      const float* xm = x + m * k;
-      float* om = out + m * n + c;
-      switch (mb) {
-        case 6: tile_rows_f32<6>(xm, k, k, wt, bt, om, n, valid); break;
-        case 5: tile_rows_f32<5>(xm, k, k, wt, bt, om, n, valid); break;
-        case 4: tile_rows_f32<4>(xm, k, k, wt, bt, om, n, valid); break;
-        case 3: tile_rows_f32<3>(xm, k, k, wt, bt, om, n, valid); break;
-        case 2: tile_rows_f32<2>(xm, k, k, wt, bt, om, n, valid); break;
-        default: tile_rows_f32<1>(xm, k, k, wt, bt, om, n, valid); break;
-      }
-      m += mb;
-    }
-  }
-}
-
+// The tiles t0..t1 of a weight for every row: bf16 or float32 (`tile_rows`' overloads).
+template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void tiles(const at::BFloat16* x, int64_t rows, int64_t k, const at::BFloat16* w, const at::BFloat16* bias,
-           at::BFloat16* out, int64_t n, int64_t t0, int64_t t1) {
-  const int64_t kp = (k + 1) / 2 * 2;
+void tiles(const T* x, int64_t rows, int64_t k, const T* w, const T* bias, T* out, int64_t n, int64_t t0, int64_t t1) {
+  const int64_t depth = std::is_same<T, float>::value ? k : (k + 1) / 2 * 2;  // a tile's inputs, padded
   for (int64_t t = t0; t < t1; ++t) {
-    const at::BFloat16* wt = w + t * kp * kTile;
+    const T* wt = w + t * depth * kTile;
     const int64_t c = t * kTile, valid = std::min<int64_t>(kTile, n - c);
-    const at::BFloat16* bt = bias != nullptr ? bias + c : nullptr;
+    const T* bt = bias != nullptr ? bias + c : nullptr;
     // more than six rows: passes over the tile again (from cache), rows spread evenly (7 = 4 + 3)
     for (int64_t m = 0, passes = (rows + kRowsMax - 1) / kRowsMax; m < rows; --passes) {
       const int64_t mb = (rows - m + passes - 1) / passes;
-      const at::BFloat16* xm = x + m * k;
-      at::BFloat16* om = out + m * n + c;
+      const T* xm = x + m * k;
+      T* om = out + m * n + c;
       switch (mb) {
         case 6: tile_rows<6>(xm, k, k, wt, bt, om, n, valid); break;
         case 5: tile_rows<5>(xm, k, k, wt, bt, om, n, valid); break;
@@ -225,13 +203,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
     const float* wp = packed.data_ptr<float>();
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, nt, 2, [&](int64_t t0, int64_t t1) { tiles_f32(xp, rows, k, wp, bp, op, n, t0, t1); });
+    at::parallel_for(0, nt, 2, [&](int64_t t0, int64_t t1) { tiles<float>(xp, rows, k, wp, bp, op, n, t0, t1); });
   } else if (rows > 0) {
     const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
     const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
     const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
     at::BFloat16* op = out.data_ptr<at::BFloat16>();
-    at::parallel_for(0, nt, 2, [&](int64_t t0, int64_t t1) { tiles(xp, rows, k, wp, bp, op, n, t0, t1); });
+    at::parallel_for(0, nt, 2, [&](int64_t t0, int64_t t1) { tiles<at::BFloat16>(xp, rows, k, wp, bp, op, n, t0, t1); });
   }
   auto sizes = x.sizes().vec();
   sizes.back() = n;
