@@ -1,7 +1,8 @@
 """Verification of one sequence's draft tree: what a pass accepts and what it drafts next.
 
 Two ways, the same tokens (tests hold it): `verify_on_device` (tensor operations; the LM head over
-every node's main row, then, on a CPU, over the accepted node's stream rows alone, elsewhere over
+every node's main row, then, on a CPU with streamspec's own kernels, over the accepted node's
+stream rows alone, elsewhere over
 every node's stream rows in the same call; one small read per pass) and `walk_on_host` (a walk down the
 accepted path, one LM-head call per accepted node, the fewest head rows). See `generate`'s
 ``verify`` for which runs where.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
 from ..patch.model import StreamedModel
 from .sampling import Sampler
 from .tree import DraftTree, accepted_nodes, deepest_path
@@ -21,9 +23,10 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
             ) -> tuple[torch.Tensor, ...]:
     """Verify one sequence's draft tree and draft the next, on the device.
 
-    On a CPU the LM head runs twice: over every node's main row, then over the stream rows of the
-    deepest accepted node only (the rows the next draft reads: `draft` of them, not every node's);
-    on other devices once, over every node's main and stream rows. The
+    On a CPU with streamspec's own kernels (`streamspec.native`) the LM head runs twice: over every
+    node's main row, then over the stream rows of the deepest accepted node only (the rows the next
+    draft reads: `draft` of them, not every node's); elsewhere once, over every node's main and
+    stream rows. The
     main stream chooses a token at every node (argmax, or one draw per
     node keyed by the sequence index of the token it chooses, `next_index` [N]: draws off the
     accepted path are never used and the kept ones are those one-token-per-pass sampling
@@ -36,10 +39,11 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     the candidates' log-probabilities [draft_depth, width]."""
     depth_limit = tree.depth_limit
     n, draft = main.shape[1], draft_depth or depth_limit
-    # On a CPU the LM head runs over each node's main row, and later over the accepted node's
-    # stream rows alone (there every row costs its products); elsewhere one call over every row
-    # the pass may need (there a call costs the head's read, and rows are nearly free).
-    split = main.device.type == "cpu"
+    # On a CPU with streamspec's own kernels the LM head runs over each node's main row, and later
+    # over the accepted node's stream rows alone (there every row costs its products); elsewhere
+    # one call over every row the pass may need (a call costs the head's read, rows little more:
+    # oneDNN's and cuBLAS's products of many rows; two calls measured 9-17% slower on oneDNN).
+    split = main.device.type == "cpu" and native.ready()
     logits = model.head(main[0] if split else torch.cat([main[0], streams[0, :, :draft].reshape(n * draft, -1)]))
     choice = sampler(logits[:n], next_index, key=key)  # [N]: node i's choice is the token at next_index[i]
     best, path = deepest_path(tree, accepted_nodes(tree, node_tokens, choice))
