@@ -177,3 +177,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+class NativeSpy:
+    """Stands in for streamspec's kernel module (`streamspec.native._MODULE`), counting the calls
+    of its products and attention by name (so a test can assert the kernel, not a fallback, ran)."""
+
+    def __init__(self, module):
+        self.module, self.counts = module, {"linear": 0, "decode_attention": 0}
+
+    @property
+    def calls(self) -> int:
+        return sum(self.counts.values())
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def linear(self, *args):
+        self.counts["linear"] += 1
+        return self.module.linear(*args)
+
+    def decode_attention(self, *args):
+        self.counts["decode_attention"] += 1
+        return self.module.decode_attention(*args)
+

@@ -107,10 +107,9 @@ def generate(
             of the streams' probabilities along it) until it has this many nodes
             (`streamspec.decoding.tree.grow_tree`). One sequence, without pruning.
         verify: where a pass decides what it accepts. ``"device"``: with tensor operations on the
-            model's device (the LM head over every node's main row, then on a CPU with streamspec's own
-            kernels over the accepted node's stream rows alone, elsewhere over every node's in the
-            same call), and
-            one read to the host per pass. ``"host"``: a walk down the
+            model's device (the LM head over every node's main row, then on a CPU with
+            streamspec's own kernels over the accepted node's stream rows alone, elsewhere over
+            every node's in the same call), and one read to the host per pass. ``"host"``: a walk down the
             accepted path, one LM-head call per accepted node over that node's rows and a read at
             each (the fewest head rows). ``"auto"`` (default): the host walk on a CPU, where a
             read costs nothing and every head call reads the whole LM-head weight from memory

@@ -2,10 +2,9 @@
 
 Two ways, the same tokens (tests hold it): `verify_on_device` (tensor operations; the LM head over
 every node's main row, then, on a CPU with streamspec's own kernels, over the accepted node's
-stream rows alone, elsewhere over
-every node's stream rows in the same call; one small read per pass) and `walk_on_host` (a walk down the
-accepted path, one LM-head call per accepted node, the fewest head rows). See `generate`'s
-``verify`` for which runs where.
+stream rows alone, elsewhere over every node's stream rows in the same call; one small read per
+pass) and `walk_on_host` (a walk down the accepted path, one LM-head call per accepted node, the
+fewest head rows). See `generate`'s ``verify`` for which runs where.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     On a CPU with streamspec's own kernels (`streamspec.native`) the LM head runs twice: over every
     node's main row, then over the stream rows of the deepest accepted node only (the rows the next
     draft reads: `draft` of them, not every node's); elsewhere once, over every node's main and
-    stream rows. The
-    main stream chooses a token at every node (argmax, or one draw per
+    stream rows. The main stream chooses a token at every node (argmax, or one draw per
     node keyed by the sequence index of the token it chooses, `next_index` [N]: draws off the
     accepted path are never used and the kept ones are those one-token-per-pass sampling
     makes); a node is accepted when its whole path

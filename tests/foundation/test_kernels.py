@@ -24,7 +24,7 @@ from streamspec.kernels import (
     use_decode_attention,
 )
 
-from conftest import make_model, random_ids
+from conftest import NativeSpy, make_model, random_ids
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="this torch build has no oneDNN")
 
@@ -33,23 +33,16 @@ def _ran_packed_kernel(fn) -> bool:
     """Whether `fn` ran a packed kernel: oneDNN's (seen by the profiler) or streamspec's own
     (`streamspec.native`, which passes of up to `native.MAX_ROWS` rows take where it runs; a spy
     stands in for its module)."""
-    calls = []
     real = native.bf16_linear()
-
-    class _Spy:
-        def __getattr__(self, name):
-            if name == "linear":
-                return lambda *args: calls.append(1) or real.linear(*args)
-            return getattr(real, name)
-
+    spy = NativeSpy(real) if real is not None else None
     saved = native._MODULE
-    native._MODULE = _Spy() if real is not None else saved
+    native._MODULE = spy if spy is not None else saved
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
     finally:
         native._MODULE = saved
-    return bool(calls) or any("_linear_pointwise" in event.key for event in prof.key_averages())
+    return (spy is not None and spy.counts["linear"] > 0) or any("_linear_pointwise" in e.key for e in prof.key_averages())
 
 
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48), (0, 48)])
@@ -210,18 +203,8 @@ def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkey
             pytest.skip("streamspec's own attention kernel runs bf16 on CPUs with AVX-512 BF16")
         assert native.bf16_linear() is not None, "streamspec's kernels did not build on a CPU with AVX-512 BF16"
         assert rows <= native.ATTENTION_MAX_ROWS  # the kernel at every row count here
-        ran = []
-        real = native.bf16_linear()
-
-        class _Spy:  # counts the kernel's calls (the test must not pass on torch's path)
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            def decode_attention(self, *args):
-                ran.append(1)
-                return real.decode_attention(*args)
-
-        monkeypatch.setattr(native, "_MODULE", _Spy())
+        spy = NativeSpy(native.bf16_linear())  # the test must not pass on torch's path
+        monkeypatch.setattr(native, "_MODULE", spy)
     if not own_kernel:
         monkeypatch.setattr(native, "_MODULE", None)
     torch.manual_seed(rows)
@@ -240,7 +223,7 @@ def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkey
                                        scaling=0.3)
     assert ours.shape == theirs.shape == (2, rows, 6, 16) and ours.dtype == dtype
     if own_kernel:
-        assert ran, "streamspec's attention kernel did not run"
+        assert spy.counts["decode_attention"], "streamspec's attention kernel did not run"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert not ours.isnan().any()
     torch.testing.assert_close(ours.double(), theirs, rtol=tol, atol=tol)

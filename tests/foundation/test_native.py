@@ -15,6 +15,8 @@ from torch import nn
 from streamspec import native
 from streamspec.kernels import PackedLinear, cpu_kernels_available, pack_linear_layers, packed_dtypes
 
+from conftest import NativeSpy
+
 _WANTED = native.cpu_has_avx512_bf16() and os.environ.get("STREAMSPEC_NATIVE_KERNELS", "1") not in ("0", "false", "off", "no")
 
 
@@ -85,27 +87,9 @@ def test_the_kernel_refuses_what_it_cannot_multiply(kernel):
         kernel.linear(torch.randn(1, 64), packed, 8, None)
 
 
-class _Counting:
-    """Stands in for the kernel module, counting its products."""
-
-    def __init__(self, module):
-        self.module, self.calls = module, 0
-
-    def pack(self, w):
-        return self.module.pack(w)
-
-    def linear(self, *args):
-        self.calls += 1
-        return self.module.linear(*args)
-
-    def decode_attention(self, *args):
-        self.calls += 1
-        return self.module.decode_attention(*args)
-
-
 @pytest.fixture
 def counting(kernel, monkeypatch):
-    spy = _Counting(kernel)
+    spy = NativeSpy(kernel)
     monkeypatch.setattr(native, "_MODULE", spy)
     return spy
 
