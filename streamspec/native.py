@@ -1,6 +1,6 @@
 """streamspec's own C++ CPU kernels, built on first use, for decoding passes of a few rows on CPUs
 with AVX-512 BF16 (`streamspec/csrc/bf16_linear.cpp`): a linear layer in bfloat16 and in float32,
-and the bf16 attention of a few query rows against the cache.
+and the attention (bf16 or float32) of a few query rows against the cache.
 
 oneDNN's bf16 inner product, the best torch offers for one row on a CPU, read this project's
 model at ~9 GB/s on one core of a machine whose core reads ~27 GB/s: a decoding pass costs what
@@ -9,9 +9,10 @@ one sequential stream and reads it at ~19-25 GB/s for one to six rows (`python e
 compares them on a machine); float32 weights, laid out the same way, read at ~20 GB/s where
 oneDNN's float32 read ~9. `streamspec.kernels.pack_linear_layers` uses it beside oneDNN's pack
 for bf16 and float32 layers: passes of up to `MAX_ROWS` rows take it, longer ones oneDNN. The attention
-(`streamspec.kernels.decode_attention_forward`, bf16 passes of up to `ATTENTION_MAX_ROWS` rows) reads each key-value
-head's cached keys and values in place, with the scores, softmax and sums in float32, where the
-torch path copied the whole cache to float32 in every layer of every pass.
+(`streamspec.kernels.decode_attention_forward`, bf16 and float32 passes of up to `ATTENTION_MAX_ROWS` rows) reads
+each key-value head's cached keys and values in place, with the scores, softmax and sums in float32, where the
+torch path copied the whole bf16 cache to float32 in every layer of every pass (and, in float32, took 2-3x the
+time in its matrix products and softmax).
 
 It is compiled with the C++ compiler torch's extensions use (``torch.utils.cpp_extension``, ninja)
 into torch's extension cache the first time a process needs it (~30 s, a line on stderr says so)
@@ -40,7 +41,9 @@ MAX_ROWS = 64
 #: query row for the scores (float32 softmax, a vectorised exp), and each value once for up to four
 #: rows of a key-value head (its query heads x the pass's rows) at once. One layer, 768 keys,
 #: SmolLM2's 9 query and 3 key-value heads, one thread, against torch's operators (sdpa on the
-#: repeated heads): 1 row 44 us (1206), 7: 259 (664), 28: 758 (899), 64: 1672 (1906).
+#: repeated heads): 1 row 44 us (1206), 7: 259 (664), 28: 758 (899), 64: 1672 (1906). Float32, against
+#: `decode_attention_forward`'s grouped operators (sdpa above 32 rows), a later session: 1 row 29 us (99),
+#: 7: 133 (264), 28: 505 (840), 60: 1061 (1968).
 ATTENTION_MAX_ROWS = 64
 _UNSET = object()
 _MODULE = _UNSET
@@ -68,7 +71,7 @@ def ready() -> bool:
 def bf16_linear():
     """The built kernel module (``pack(weight)`` for a bfloat16 or float32 weight,
     ``linear(x, packed, out_features, bias)`` in the weight's dtype, ``decode_attention`` in
-    bfloat16), or None where it cannot run here (see the module's docstring). Built at most once a
+    bfloat16 or float32), or None where it cannot run here (see the module's docstring). Built at most once a
     process."""
     global _MODULE
     if _MODULE is not _UNSET:

@@ -218,8 +218,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 
 
 // -- attention of a decoding pass ----------------------------------------------------------------
-// A few query rows (one token, a draft tree) against a long cache, bf16 q/k/v: scores, softmax and
-// the weighted sum of values in float32, the output rounded to bf16 once. Each key-value head's
+// A few query rows (one token, a draft tree) against a long cache, q/k/v all bf16 or all float32:
+// scores, softmax and the weighted sum of values in float32 (a bf16 output rounded once). Each key-value head's
 // keys and values are read in place (no float32 copies of the cache, no copies per query head).
 #define SS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -274,34 +274,74 @@ SS_TARGET inline __m512 exp_ps(__m512 x) {
   return _mm512_maskz_mul_ps((__mmask16)~zero, y, _mm512_castsi512_ps(e));
 }
 
-// One query row's scores against `length` keys (times `scale`, plus its mask), into `scores`;
-// returns their maximum (-inf: the row may see no key).
-template <int V>
-SS_TARGET float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t k_stride, const float* mask,
-                           const bool* allowed, int64_t mask_stride, int64_t length, int64_t dim, float scale,
-                           float* scores) {
-  constexpr int C = (V + 1) / 2;  // 32-wide bf16 chunks of the dim
+// A query row against one key: its dot product as 16 partial sums (a vector), per element type.
+// bf16: 32-wide chunks of the dim, pairs of products accumulated by `vdpbf16ps`; float32: 16-wide
+// chunks, `vfmadd`. `load` takes the row (dim <= 16 V), `partial` one key's partial sums.
+template <typename T, int V> struct KeyDot;
+
+template <int V> struct KeyDot<at::BFloat16, V> {
+  static constexpr int C = (V + 1) / 2;
   __mmask32 kmask[C];
   __m512bh qv[C];
+  SS_TARGET void load(const at::BFloat16* q, int64_t dim) {
 #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    const int64_t left = dim - c * 32;
-    kmask[c] = left >= 32 ? (__mmask32)0xFFFFFFFFu : left <= 0 ? (__mmask32)0 : (__mmask32)((1u << left) - 1u);
-    qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], q + c * 32);
+    for (int c = 0; c < C; ++c) {
+      const int64_t left = dim - c * 32;
+      kmask[c] = left >= 32 ? (__mmask32)0xFFFFFFFFu : left <= 0 ? (__mmask32)0 : (__mmask32)((1u << left) - 1u);
+      qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], q + c * 32);
+    }
   }
+  SS_TARGET __m512 partial(const at::BFloat16* kl) const {
+    __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], kl + c * 32));
+    return a;
+  }
+};
+
+template <int V> struct KeyDot<float, V> {
+  static constexpr int C = V;
+  __mmask16 kmask[C];
+  __m512 qv[C];
+  SS_TARGET void load(const float* q, int64_t dim) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const int64_t left = dim - c * 16;
+      kmask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+      qv[c] = _mm512_maskz_loadu_ps(kmask[c], q + c * 16);
+    }
+  }
+  SS_TARGET __m512 partial(const float* kl) const {
+    __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(kmask[c], kl + c * 16), a);
+    return a;
+  }
+};
+
+// 16 values of a row (masked lanes 0) as float32, and back (bf16: rounded once, to nearest even).
+SS_TARGET inline __m512 load16(const at::BFloat16* p, __mmask16 m) { return bf16_to_f32(p, m); }
+SS_TARGET inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+SS_TARGET inline void store16(at::BFloat16* p, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16((void*)p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+SS_TARGET inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+
+// One query row's scores against `length` keys (times `scale`, plus its mask), into `scores`;
+// returns their maximum (-inf: the row may see no key).
+template <typename T, int V>
+SS_TARGET float row_scores(const T* q, const T* k, int64_t k_stride, const float* mask,
+                           const bool* allowed, int64_t mask_stride, int64_t length, int64_t dim, float scale,
+                           float* scores) {
+  KeyDot<T, V> dot;
+  dot.load(q, dim);
   const __m512 scale_v = _mm512_set1_ps(scale);
   __m512 best_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t l = 0;
   for (; l + 16 <= length; l += 16) {
     __m512 part[16];
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) {
-      const at::BFloat16* kl = k + (l + j) * k_stride;
-      __m512 a = _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], kl + c * 32));
-      part[j] = a;
-    }
+    for (int j = 0; j < 16; ++j) part[j] = dot.partial(k + (l + j) * k_stride);
     __m512 sv = _mm512_mul_ps(sum16(part), scale_v);
     if (mask != nullptr) {
       if (mask_stride == 1) sv = _mm512_add_ps(sv, _mm512_loadu_ps(mask + l));
@@ -315,10 +355,7 @@ SS_TARGET float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t
   }
   float best = _mm512_reduce_max_ps(best_v);
   for (; l < length; ++l) {
-    const at::BFloat16* kl = k + l * k_stride;
-    __m512 a = _mm512_setzero_ps();
-    for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(kmask[c], kl + c * 32));
-    float s = _mm512_reduce_add_ps(a) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
+    float s = _mm512_reduce_add_ps(dot.partial(k + l * k_stride)) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
     if (allowed != nullptr && !allowed[l * mask_stride]) s = -std::numeric_limits<float>::infinity();
     scores[l] = s;
     best = std::max(best, s);
@@ -341,18 +378,19 @@ SS_TARGET float row_exp(float* scores, int64_t length, float best) {
 
 // NQ query rows (of one key-value head: its query heads and rows) against its `length` keys: each
 // row's scores and softmax, then the weighted sums of values for all NQ rows at once, each value
-// read and widened to float32 once for them. `V` 16-lane vectors of the head's dim (dim <= 16 V).
-template <int V, int NQ>
-SS_TARGET void attend_rows(const at::BFloat16* const* q, const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v,
+// read (and, bf16, widened to float32) once for them. `V` 16-lane vectors of the head's dim
+// (dim <= 16 V); `T` bf16 or float32, the output in `T`.
+template <typename T, int V, int NQ>
+SS_TARGET void attend_rows(const T* const* q, const T* k, int64_t k_stride, const T* v,
                            int64_t v_stride, const float* const* mask, const bool* const* allowed, int64_t mask_stride,
                            int64_t length, int64_t dim, float scale, float* scores /* [NQ][length + 16] */,
-                           at::BFloat16* const* out) {
+                           T* const* out) {
   const int64_t ld = length + 16;
   float inv[NQ];
   bool any = false;
   for (int i = 0; i < NQ; ++i) {
     float* s = scores + i * ld;
-    const float best = row_scores<V>(q[i], k, k_stride, mask[i], allowed[i], mask_stride, length, dim, scale, s);
+    const float best = row_scores<T, V>(q[i], k, k_stride, mask[i], allowed[i], mask_stride, length, dim, scale, s);
     if (best == -std::numeric_limits<float>::infinity()) {  // a row that may see nothing: zeros, as sdpa
       for (int64_t j = 0; j < length; ++j) s[j] = 0.f;
       inv[i] = 0.f;
@@ -377,10 +415,10 @@ SS_TARGET void attend_rows(const at::BFloat16* const* q, const at::BFloat16* k, 
 #pragma GCC unroll 8
       for (int i = 0; i < NQ; ++i) seen |= scores[i * ld + j] != 0.f;
       if (!seen) continue;
-      const at::BFloat16* vl = v + j * v_stride;
+      const T* vl = v + j * v_stride;
       __m512 vv[V];
 #pragma GCC unroll 16
-      for (int c = 0; c < V; ++c) vv[c] = bf16_to_f32(vl + c * 16, vmask[c]);
+      for (int c = 0; c < V; ++c) vv[c] = load16(vl + c * 16, vmask[c]);
 #pragma GCC unroll 8
       for (int i = 0; i < NQ; ++i) {
         const __m512 pv = _mm512_set1_ps(scores[i * ld + j]);
@@ -393,11 +431,8 @@ SS_TARGET void attend_rows(const at::BFloat16* const* q, const at::BFloat16* k, 
   for (int i = 0; i < NQ; ++i) {
     const __m512 iv = _mm512_set1_ps(inv[i]);
 #pragma GCC unroll 16
-    for (int c = 0; c < V; ++c) {
-      // (a row that sees nothing: exact zeros, whatever the values hold)
-      const __m256i r = (__m256i)_mm512_cvtneps_pbh(inv[i] == 0.f ? _mm512_setzero_ps() : _mm512_mul_ps(acc[i][c], iv));
-      _mm256_mask_storeu_epi16((void*)(out[i] + c * 16), vmask[c], r);
-    }
+    for (int c = 0; c < V; ++c)  // (a row that sees nothing: exact zeros, whatever the values hold)
+      store16(out[i] + c * 16, vmask[c], inv[i] == 0.f ? _mm512_setzero_ps() : _mm512_mul_ps(acc[i][c], iv));
   }
 }
 
@@ -407,35 +442,81 @@ constexpr int group_rows(int V) { return V <= 4 ? 4 : V <= 8 ? 2 : 1; }
 static_assert(group_rows(2) <= kGroupMax && group_rows(4) <= kGroupMax && group_rows(8) <= kGroupMax &&
               group_rows(16) <= kGroupMax, "a group's rows must fit decode_attention's arrays");
 
-using AttendRows = void (*)(const at::BFloat16* const*, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t,
-                            const float* const*, const bool* const*, int64_t, int64_t, int64_t, float, float*,
-                            at::BFloat16* const*);
+template <typename T>
+using AttendRows = void (*)(const T* const*, const T*, int64_t, const T*, int64_t, const float* const*,
+                            const bool* const*, int64_t, int64_t, int64_t, float, float*, T* const*);
 
-template <int V>
-AttendRows attend_rows_for(int n) {
+template <typename T, int V>
+AttendRows<T> attend_rows_for(int n) {
   constexpr int G = group_rows(V);
-  if (n >= G) return attend_rows<V, G>;
-  if (G >= 3 && n == 3) return attend_rows<V, (G >= 3 ? 3 : 1)>;
-  if (G >= 2 && n == 2) return attend_rows<V, (G >= 2 ? 2 : 1)>;
-  return attend_rows<V, 1>;
+  if (n >= G) return attend_rows<T, V, G>;
+  if (G >= 3 && n == 3) return attend_rows<T, V, (G >= 3 ? 3 : 1)>;
+  if (G >= 2 && n == 2) return attend_rows<T, V, (G >= 2 ? 2 : 1)>;
+  return attend_rows<T, V, 1>;
 }
 
-AttendRows attend_rows_for(int64_t dim, int n) {
-  if (dim <= 32) return attend_rows_for<2>(n);
-  if (dim <= 64) return attend_rows_for<4>(n);
-  if (dim <= 128) return attend_rows_for<8>(n);
-  return attend_rows_for<16>(n);  // dim <= 256
+template <typename T>
+AttendRows<T> attend_rows_for(int64_t dim, int n) {
+  if (dim <= 32) return attend_rows_for<T, 2>(n);
+  if (dim <= 64) return attend_rows_for<T, 4>(n);
+  if (dim <= 128) return attend_rows_for<T, 8>(n);
+  return attend_rows_for<T, 16>(n);  // dim <= 256
 }
 
-// (the same choice as attend_rows_for's: a group of n <= group_rows_for(dim) rows runs attend_rows<V, n>)
+// (the same choice as attend_rows_for's: a group of n <= group_rows_for(dim) rows runs attend_rows<T, V, n>)
 int group_rows_for(int64_t dim) {
   return dim <= 32 ? group_rows(2) : dim <= 64 ? group_rows(4) : dim <= 128 ? group_rows(8) : group_rows(16);
 }
 
+// The pass's rows over the batch's key-value heads, in groups of rows that share each value's read.
+template <typename T>
+void attend_all(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& m,
+                double scale, torch::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
+  const int64_t groups = key.size(1), length = key.size(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  const bool boolean = m.defined() && m.scalar_type() == at::kBool;
+  const float* mp = m.defined() && !boolean ? m.data_ptr<float>() : nullptr;
+  const bool* ap = boolean ? m.data_ptr<bool>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const int64_t per_group = heads / groups;
+  // the rows of one key-value head (its query heads x the pass's rows), in groups that share each value's read
+  const int64_t shared = per_group * rows, per = group_rows_for(dim);
+  const int64_t blocks = (shared + per - 1) / per;
+  at::parallel_for(0, batch * groups * blocks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(per * (length + 16));
+    const T* qs[kGroupMax];
+    const float* ms[kGroupMax];
+    const bool* as[kGroupMax];
+    T* os[kGroupMax];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (groups * blocks), g = (i / blocks) % groups, first = (i % blocks) * per;
+      const int n = static_cast<int>(std::min<int64_t>(per, shared - first));
+      for (int r = 0; r < n; ++r) {
+        const int64_t h = g * per_group + (first + r) / rows, t = (first + r) % rows;
+        const int64_t at = m.defined() ? b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : 0;
+        qs[r] = qp + ((b * heads + h) * rows + t) * dim;
+        ms[r] = mp != nullptr ? mp + at : nullptr;
+        as[r] = ap != nullptr ? ap + at : nullptr;
+        os[r] = op + ((b * rows + t) * heads + h) * dim;
+      }
+      const T* kb = kp + b * key.stride(0) + g * key.stride(1);
+      const T* vb = vp + b * value.stride(0) + g * value.stride(1);
+      attend_rows_for<T>(dim, n)(qs, kb, key.stride(2), vb, value.stride(2), ms, as, m.defined() ? m.stride(3) : 0,
+                                 length, dim, static_cast<float>(scale), scores.data(), os);
+    }
+  });
+}
+
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const c10::optional<torch::Tensor>& mask, double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16, "decode_attention: query, key and value must be bfloat16");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && key.scalar_type() == dtype &&
+                  value.scalar_type() == dtype,
+              "decode_attention: query, key and value must all be bfloat16 or all float32, got ", query.scalar_type(),
+              ", ", key.scalar_type(), ", ", value.scalar_type());
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "decode_attention: [batch, heads, rows, dim] tensors");
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t groups = key.size(1), length = key.size(2);
@@ -454,40 +535,8 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     m = mask->narrow(3, 0, length).expand({batch, heads, rows, length});
   }
   auto out = torch::empty({batch, rows, heads, dim}, query.options());
-  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
-  const at::BFloat16* kp = key.data_ptr<at::BFloat16>();
-  const at::BFloat16* vp = value.data_ptr<at::BFloat16>();
-  const bool boolean = m.defined() && m.scalar_type() == at::kBool;
-  const float* mp = m.defined() && !boolean ? m.data_ptr<float>() : nullptr;
-  const bool* ap = boolean ? m.data_ptr<bool>() : nullptr;
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t per_group = heads / groups;
-  // the rows of one key-value head (its query heads x the pass's rows), in groups that share each value's read
-  const int64_t shared = per_group * rows, per = group_rows_for(dim);
-  const int64_t blocks = (shared + per - 1) / per;
-  at::parallel_for(0, batch * groups * blocks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(per * (length + 16));
-    const at::BFloat16* qs[kGroupMax];
-    const float* ms[kGroupMax];
-    const bool* as[kGroupMax];
-    at::BFloat16* os[kGroupMax];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (groups * blocks), g = (i / blocks) % groups, first = (i % blocks) * per;
-      const int n = static_cast<int>(std::min<int64_t>(per, shared - first));
-      for (int r = 0; r < n; ++r) {
-        const int64_t h = g * per_group + (first + r) / rows, t = (first + r) % rows;
-        const int64_t at = m.defined() ? b * m.stride(0) + h * m.stride(1) + t * m.stride(2) : 0;
-        qs[r] = qp + ((b * heads + h) * rows + t) * dim;
-        ms[r] = mp != nullptr ? mp + at : nullptr;
-        as[r] = ap != nullptr ? ap + at : nullptr;
-        os[r] = op + ((b * rows + t) * heads + h) * dim;
-      }
-      const at::BFloat16* kb = kp + b * key.stride(0) + g * key.stride(1);
-      const at::BFloat16* vb = vp + b * value.stride(0) + g * value.stride(1);
-      attend_rows_for(dim, n)(qs, kb, key.stride(2), vb, value.stride(2), ms, as, m.defined() ? m.stride(3) : 0, length,
-                              dim, static_cast<float>(scale), scores.data(), os);
-    }
-  });
+  if (dtype == at::kFloat) attend_all<float>(q, key, value, m, scale, out);
+  else attend_all<at::BFloat16>(q, key, value, m, scale, out);
   return out;
 }
 
@@ -497,5 +546,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX-512 BF16");
   m.def("pack", &pack, "lay a bfloat16 or float32 (out, in) weight out for `linear`");
   m.def("linear", &linear, "x @ weight.T (+ bias) with a weight laid out by `pack`");
-  m.def("decode_attention", &decode_attention, "attention of a few bf16 query rows against a cache, [B, T, H, D] out");
+  m.def("decode_attention", &decode_attention, "attention of a few bf16 or float32 query rows against a cache, [B, T, H, D] out");
 }

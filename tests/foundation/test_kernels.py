@@ -188,8 +188,8 @@ def _ran_op(fn, name: str) -> bool:
 def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkeypatch):
     """The grouped decoding attention computes what transformers' sdpa computes (grouped-query
     heads, additive, boolean and per-head masks, no mask for one row), within rounding: on
-    torch's operators, and in bf16 on streamspec's own kernel (`streamspec.native`), which takes
-    passes longer than the grouped path's (48 rows: a tree's stream layers)."""
+    torch's operators, and in bf16 and float32 on streamspec's own kernel (`streamspec.native`),
+    which takes passes longer than the grouped path's (48 rows: a tree's stream layers)."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -199,8 +199,8 @@ def test_decode_attention_equals_sdpa(rows, dtype, mask_kind, own_kernel, monkey
     if mask_kind == "none" and rows > 1:
         pytest.skip("several rows without a mask go to sdpa itself")
     if own_kernel:
-        if dtype != torch.bfloat16 or not native.cpu_has_avx512_bf16():
-            pytest.skip("streamspec's own attention kernel runs bf16 on CPUs with AVX-512 BF16")
+        if not native.cpu_has_avx512_bf16():
+            pytest.skip("streamspec's own attention kernel runs on CPUs with AVX-512 BF16")
         assert native.bf16_linear() is not None, "streamspec's kernels did not build on a CPU with AVX-512 BF16"
         assert rows <= native.ATTENTION_MAX_ROWS  # the kernel at every row count here
         spy = NativeSpy(native.bf16_linear())  # the test must not pass on torch's path

@@ -160,17 +160,19 @@ def _attention_float64(q, k, v, mask, scale):
     return (probs @ vv).transpose(1, 2)  # [B, T, H, D]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dim", [8, 20, 40, 64, 80, 128, 200, 256])
 @pytest.mark.parametrize("length, rows", [(0, 1), (5, 1), (16, 3), (37, 8), (100, 2), (70, 29), (33, 64)])
-def test_the_attention_kernel_is_attention_up_to_bf16_rounding(kernel, dim, length, rows):
+def test_the_attention_kernel_is_attention_up_to_rounding(kernel, dim, length, rows, dtype):
     """Every head size the kernel takes (its 16-, 32-, 64-, 128- and 256-wide paths and their
     tails), caches shorter and longer than its 16-key blocks, keys sliced from a longer buffer,
     a mask read with a stride, a row that may see nothing (zeros, as sdpa gives), passes of up to
-    64 rows (the values' sums shared by up to four rows of a key-value head)."""
+    64 rows (the values' sums shared by up to four rows of a key-value head); bf16 within its
+    rounding, float32 within float32's."""
     torch.manual_seed(dim * 100 + length + rows)
-    q = torch.randn(2, 6, rows, dim, dtype=torch.bfloat16)
-    cache_k = torch.randn(2, 2, length + 9, dim, dtype=torch.bfloat16)
-    cache_v = torch.randn(2, 2, length + 9, dim, dtype=torch.bfloat16)
+    q = torch.randn(2, 6, rows, dim, dtype=dtype)
+    cache_k = torch.randn(2, 2, length + 9, dim, dtype=dtype)
+    cache_v = torch.randn(2, 2, length + 9, dim, dtype=dtype)
     k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # the stored part of a longer cache
     allowed = torch.rand(2, 1, rows, length) > 0.3
     if length:
@@ -181,15 +183,16 @@ def test_the_attention_kernel_is_attention_up_to_bf16_rounding(kernel, dim, leng
     mask.masked_fill_(~allowed, float("-inf"))
     out = kernel.decode_attention(q, k, v, mask, dim ** -0.5)
     expected = _attention_float64(q, k, v, mask, dim ** -0.5)
-    assert out.shape == expected.shape and out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    assert out.shape == expected.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
     if length:
         assert (out[1, rows - 1] == 0).all()
     boolean = kernel.decode_attention(q, k, v, torch.zeros(2, 1, rows, 2 * max(length, 1), dtype=torch.bool)
                                       [..., ::2][..., :length].copy_(allowed), dim ** -0.5)
     assert torch.equal(boolean, out)  # a boolean mask reads as the additive one
     none = kernel.decode_attention(q, k, v, None, dim ** -0.5)
-    torch.testing.assert_close(none.double(), _attention_float64(q, k, v, None, dim ** -0.5), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(none.double(), _attention_float64(q, k, v, None, dim ** -0.5), rtol=tol, atol=tol)
     # a row's output does not depend on the rows and heads it shares a pass with
     last = kernel.decode_attention(q[:, :, -1:], k, v, mask[:, :, -1:], dim ** -0.5)
     assert torch.equal(last[:, 0], out[:, -1])
@@ -198,8 +201,10 @@ def test_the_attention_kernel_is_attention_up_to_bf16_rounding(kernel, dim, leng
 def test_the_attention_kernel_refuses_what_it_cannot_attend(kernel):
     q = torch.randn(1, 4, 1, 64, dtype=torch.bfloat16)
     k = v = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel.decode_attention(q.float(), k, v, None, 0.1)
+    with pytest.raises(RuntimeError, match="must all be bfloat16 or all float32"):
+        kernel.decode_attention(q.float(), k, v, None, 0.1)  # mixed dtypes
+    with pytest.raises(RuntimeError, match="must all be bfloat16 or all float32"):
+        kernel.decode_attention(q.half(), k.half(), v.half(), None, 0.1)
     with pytest.raises(RuntimeError, match="shapes do not fit"):
         kernel.decode_attention(torch.randn(1, 3, 1, 64, dtype=torch.bfloat16), k, v, None, 0.1)
     with pytest.raises(RuntimeError, match="float32 additive or boolean mask"):
