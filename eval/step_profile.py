@@ -25,7 +25,7 @@ from streamspec.loading import load_for_inference
 CONFIGS = ("bfloat16 packed compiled", "bfloat16 compiled", "float32 packed", "bfloat16 packed", "float32 packed compiled")
 # operator names (substrings) of each group; what matches none is "the rest"
 GROUPS = {
-    "linear layers": ("_linear_pointwise", "packed_linear", "aten::mm", "aten::addmm", "aten::linear"),
+    "linear layers": ("_linear_pointwise", "packed_linear", "streamspec_native::linear", "aten::mm", "aten::addmm", "aten::linear"),
     "attention": ("scaled_dot_product", "aten::bmm", "aten::softmax", "aten::_softmax", "decode_attention"),
 }
 

@@ -87,8 +87,11 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` whose no-grad float32/bfloat16 CPU calls go to packed kernels: streamspec's
     own (`streamspec.native`) for passes of up to `native.MAX_ROWS` rows where it runs, else oneDNN.
     Made only by `pack_linear_layers` (it changes the class of existing layers; parameters, state
-    dict and saving are untouched). Inside a compiled graph the call is the ``streamspec::packed_linear``
-    operator (opaque to the compiler, the same kernel), so compiled decoding steps get it too."""
+    dict and saving are untouched). Inside a compiled graph the call is an operator opaque to the
+    compiler with the same kernels, so compiled decoding steps get them too: for passes of up to
+    `native.MAX_ROWS` rows where streamspec's kernel runs, ``streamspec_native::linear_of`` (C++
+    from the graph to the kernel, the weight's pack found in C++ by the weight and its version),
+    else ``streamspec::packed_linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
@@ -103,6 +106,10 @@ class PackedLinear(nn.Linear):
         ):
             return F.linear(x, w, b)
         if torch.compiler.is_compiling():
+            # (the shapes are static: the kernel is chosen once, when the graph is traced)
+            if (self.__dict__.get("_streamspec_own", True) and native.ready() and x.shape[-1] == w.shape[1]
+                    and x.numel() <= native.MAX_ROWS * x.shape[-1]):
+                return torch.ops.streamspec_native.linear_of(x, w, b)  # the C++ operator, its pack found in C++
             return torch.ops.streamspec.packed_linear(x, w, b)
         return _run_packed(x, _packed(self), w, b)
 
@@ -159,6 +166,8 @@ def _packed(layer: nn.Linear, own: bool | None = None) -> tuple:
 
 
 def _register_pack(weight: torch.Tensor, packed: tuple) -> None:
+    if packed[1] is not None and native.ready():  # the same pack for the C++ operator of compiled graphs
+        native.bf16_linear().remember_pack(weight, packed[1])
     key = _pack_key(weight)
     entry = _PACKS.get(key)
     known = entry is not None and entry[0]() is weight
@@ -168,12 +177,16 @@ def _register_pack(weight: torch.Tensor, packed: tuple) -> None:
 
 
 def _drop_pack(key: tuple) -> None:
+    if native.ready():  # (the C++ operator's entries of weights that died go too)
+        native.bf16_linear().packs_held()
     entry = _PACKS.get(key)
     if entry is not None and entry[0]() is None:
         del _PACKS[key]
 
 
 def _forget_pack(weight: torch.Tensor) -> None:
+    if native.ready():
+        native.bf16_linear().forget_pack(weight)
     key = _pack_key(weight)
     entry = _PACKS.get(key)
     if entry is not None and entry[0]() is weight:
@@ -333,7 +346,9 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         if attention_mask is not None:  # boolean, or additive float32; broadcast to [B, H, T, L] by the kernel
             mask = attention_mask[..., :length]
             mask = mask if mask.dtype == torch.bool else mask.float()
-        return torch.ops.streamspec.decode_attention(query, key, value, mask, float(scale)), None
+        # (in a compiled graph the C++ operator itself: no Python between the graph and the kernel)
+        op = torch.ops.streamspec_native if torch.compiler.is_compiling() else torch.ops.streamspec
+        return op.decode_attention(query, key, value, mask, float(scale)), None
     per_group = heads // groups
     q = query.reshape(batch, groups, per_group * rows, dim).float()
     scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale).view(batch, groups, per_group, rows, length)

@@ -61,10 +61,16 @@ class LlamaCppServer:
             text, verified in one pass).
         verbose: llama.cpp's own log lines (each request's slot and timings) on stderr; off by
             default, so a benchmark's or a training's progress stays readable.
+        ram_cache_mib: llama.cpp's host-memory cache of earlier prompts' states (restored into a
+            slot when a new prompt shares their prefix), in MiB; None: llama.cpp's default (8 GiB
+            in the wheel here), 0: none, so that a slot's own cache is the only one.
+        slot_actions: allow `erase_slots` (llama.cpp's slot actions; they need a slot directory,
+            a temporary one here).
     """
 
     def __init__(self, gguf: str | Path, threads: int = 1, context: int = 4096, parallel: int = 1,
-                 speculative: str | None = None, verbose: bool = False) -> None:
+                 speculative: str | None = None, verbose: bool = False, ram_cache_mib: int | None = None,
+                 slot_actions: bool = False) -> None:
         for name, value in (("threads", threads), ("context", context), ("parallel", parallel)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
@@ -72,8 +78,12 @@ class LlamaCppServer:
             raise ValueError(f"speculative must be None or one of {list(SPECULATIVE)}, got {speculative!r}")
         self.gguf = gguf_path(str(gguf))
         self.threads, self.context, self.parallel = threads, context, parallel
+        if ram_cache_mib is not None and int(ram_cache_mib) < 0:
+            raise ValueError(f"ram_cache_mib must be None or >= 0, got {ram_cache_mib!r}")
         self.speculative = speculative
         self.verbose = verbose
+        self.ram_cache_mib, self.slot_actions = ram_cache_mib, slot_actions
+        self._slot_dir = None
         self._server = None
         self.url: str | None = None
 
@@ -92,6 +102,13 @@ class LlamaCppServer:
         params.cpuparams_batch.n_threads = self.threads
         params.cache_prompt = True
         params.verbosity = 3 if self.verbose else 0
+        if self.ram_cache_mib is not None:
+            params.cache_ram_mib = int(self.ram_cache_mib)
+        if self.slot_actions:
+            import tempfile
+
+            self._slot_dir = tempfile.TemporaryDirectory(prefix="streamspec-slots-")
+            params.slot_save_path = self._slot_dir.name
         if self.speculative is not None:
             params.speculative.types = [getattr(xlc.common_speculative_type, SPECULATIVE[self.speculative])]
         self._server = xlc.Server(params)
@@ -102,6 +119,19 @@ class LlamaCppServer:
     def __exit__(self, *exc) -> None:
         self._server = None  # the server stops when its object goes
         self.url = None
+        if self._slot_dir is not None:
+            self._slot_dir.cleanup()
+            self._slot_dir = None
+
+    def erase_slots(self) -> None:
+        """Empty every slot's prompt cache (the next request of each prefills its whole prompt).
+        Needs ``slot_actions=True``."""
+        if self.url is None:
+            raise RuntimeError("the llama.cpp server is not running")
+        if not self.slot_actions:
+            raise RuntimeError("erase_slots needs a server started with slot_actions=True")
+        for slot in range(self.parallel):
+            post_json(f"{self.url}/slots/{slot}?action=erase", {})
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:

@@ -100,5 +100,25 @@ def bf16_linear():
                       "bf16 layers use oneDNN. Set STREAMSPEC_NATIVE_KERNELS=0 to skip the attempt.",
                       RuntimeWarning, stacklevel=2)
         return None
+    _register_shapes()
     _MODULE = module
     return module
+
+
+def _register_shapes() -> None:
+    """Shape functions of the module's dispatcher operators (``torch.ops.streamspec_native``,
+    registered by loading it), so that compiled graphs can call them."""
+    import torch
+
+    @torch.library.register_fake("streamspec_native::linear")
+    def _linear_shape(x, packed, out_features, bias):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("streamspec_native::linear_of")
+    def _linear_of_shape(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("streamspec_native::decode_attention")
+    def _attention_shape(query, key, value, mask, scale):
+        batch, heads, rows, dim = query.shape
+        return query.new_empty((batch, rows, heads, dim))

@@ -201,3 +201,19 @@ class NativeSpy:
         self.counts["decode_attention"] += 1
         return self.module.decode_attention(*args)
 
+
+
+def native_op_calls(fn) -> dict[str, int]:
+    """Calls of streamspec's C++ dispatcher operators (``streamspec_native::*``) while `fn` runs,
+    by kernel ("linear": `linear` and `linear_of`; "decode_attention"), from torch's profiler:
+    compiled graphs call them directly, not through the Python module a `NativeSpy` stands in for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts = {"linear": 0, "decode_attention": 0}
+    for event in prof.key_averages():
+        if event.key.startswith("streamspec_native::"):
+            name = event.key.split("::", 1)[1]
+            counts["linear" if name.startswith("linear") else name] += event.count
+    return counts

@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 #include <type_traits>
 #include <vector>
 
@@ -540,6 +542,81 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   return out;
 }
 
+// -- packs by weight, for compiled graphs -----------------------------------------------------------
+// A compiled decoding step calls `linear_of(x, weight, bias)` with the layer's weight tensor; its
+// pack is found here by the weight's TensorImpl (held weakly, so its address is not reused while
+// an entry names it) and is served only while that weight is unchanged: the same data pointer,
+// version counter, sizes, strides and dtype. A weight changed in place (its version moves) or
+// replaced is packed again on its next call. Python seeds the entries with the packs it made
+// (`remember_pack`) so that a layer's pack exists once, and drops them when a layer is unpacked.
+struct PackEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+  int64_t version;
+  const void* data;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  torch::Tensor packed;
+};
+
+std::mutex g_packs_mutex;
+std::unordered_map<const c10::TensorImpl*, PackEntry> g_packs;
+
+bool entry_is(const PackEntry& e, const torch::Tensor& w) {
+  const auto alive = e.impl.lock();
+  return alive.get() == w.unsafeGetTensorImpl() && e.version == static_cast<int64_t>(w._version()) &&
+         e.data == w.data_ptr() && e.dtype == w.scalar_type() && c10::IntArrayRef(e.sizes).equals(w.sizes()) &&
+         c10::IntArrayRef(e.strides).equals(w.strides());
+}
+
+void drop_expired_locked() {
+  for (auto it = g_packs.begin(); it != g_packs.end();) it = it->second.impl.expired() ? g_packs.erase(it) : std::next(it);
+}
+
+void store_locked(const torch::Tensor& w, const torch::Tensor& packed) {
+  if (g_packs.size() % 64 == 63) drop_expired_locked();  // the entries of weights that died
+  g_packs.insert_or_assign(w.unsafeGetTensorImpl(), PackEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
+                                               static_cast<int64_t>(w._version()), w.data_ptr(), w.sizes().vec(),
+                                               w.strides().vec(), w.scalar_type(), packed});
+}
+
+void remember_pack(const torch::Tensor& weight, const torch::Tensor& packed) {
+  TORCH_CHECK(weight.dim() == 2 && packed.scalar_type() == weight.scalar_type(),
+              "remember_pack: a 2-D weight and its pack, in one dtype");
+  std::lock_guard<std::mutex> lock(g_packs_mutex);
+  store_locked(weight, packed);
+}
+
+void forget_pack(const torch::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(g_packs_mutex);
+  g_packs.erase(weight.unsafeGetTensorImpl());
+}
+
+int64_t packs_held() {
+  std::lock_guard<std::mutex> lock(g_packs_mutex);
+  drop_expired_locked();
+  return static_cast<int64_t>(g_packs.size());
+}
+
+torch::Tensor pack_of(const torch::Tensor& weight) {
+  {
+    std::lock_guard<std::mutex> lock(g_packs_mutex);
+    const auto it = g_packs.find(weight.unsafeGetTensorImpl());
+    if (it != g_packs.end() && entry_is(it->second, weight)) return it->second.packed;
+  }
+  torch::NoGradGuard no_grad;
+  auto packed = pack(weight.detach());
+  std::lock_guard<std::mutex> lock(g_packs_mutex);
+  store_locked(weight, packed);
+  return packed;
+}
+
+// x @ weight.T (+ bias) for a few rows, the weight's pack found (or made) by `pack_of`.
+torch::Tensor linear_of(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1), "linear_of: x has ", x.size(-1),
+              " inputs, the weight ", weight.sizes());
+  return linear(x, pack_of(weight), weight.size(0), bias);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -547,4 +624,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "lay a bfloat16 or float32 (out, in) weight out for `linear`");
   m.def("linear", &linear, "x @ weight.T (+ bias) with a weight laid out by `pack`");
   m.def("decode_attention", &decode_attention, "attention of a few bf16 or float32 query rows against a cache, [B, T, H, D] out");
+  m.def("remember_pack", &remember_pack, "the pack `linear_of` serves for this weight while it is unchanged");
+  m.def("forget_pack", &forget_pack, "drop the pack remembered for this weight");
+  m.def("packs_held", &packs_held, "how many weights' packs `linear_of` holds (the dead ones' dropped first)");
+}
+
+// The kernels as dispatcher operators (``torch.ops.streamspec_native.*``), for compiled decoding
+// steps: a graph calls them with no Python between the graph and the kernel (the Python-defined
+// ``streamspec::packed_linear`` looks its weight's pack up in Python at every call, ~4 us more).
+TORCH_LIBRARY(streamspec_native, m) {
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear_of(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(streamspec_native, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("linear_of", &linear_of);
+  m.impl("decode_attention", &decode_attention);
 }

@@ -501,7 +501,11 @@ class LlamaCppBackend(ServerBackend):
     caching on, read as a `ServerBackend`; `close` stops it. It has two slots, each with its own
     prompt cache: the role's text (slot 0) and its judgements (slot 1), so judging never evicts
     the text's cache; with a request whose examples come first (``error_yes_no_fewshot_first``)
-    a judgement prefills only the new step and the question.
+    a judgement prefills only the new step and the question. Those two caches are the only ones:
+    llama.cpp's host-memory cache of earlier prompts is off, and `start` empties both slots, so
+    every problem starts cold, as an in-process `LocalBackend` does (with that cache on, a method
+    run after another on the same problem found the other's identical judgements cached: 1
+    token prefilled where the first run prefilled ~270).
 
     Args:
         gguf: a ``.gguf`` path or a built-in name (`role_gguf`): the default model
@@ -521,7 +525,8 @@ class LlamaCppBackend(ServerBackend):
         path = role_gguf(gguf)
         tokenizer = tokenizer if tokenizer is not None else _gguf_tokenizer(gguf, path)
         # two slots: the role's own text, and its judgements (each keeps its prompt cache)
-        self.server = LlamaCppServer(path, threads=threads, context=context, parallel=2).__enter__()
+        self.server = LlamaCppServer(path, threads=threads, context=context, parallel=2, ram_cache_mib=0,
+                                     slot_actions=True).__enter__()
         try:
             super().__init__(self.server.url + "/v1", server_model_id(self.server.url), tokenizer=tokenizer,
                              timeout=timeout, retries=retries, name=name)
@@ -530,6 +535,10 @@ class LlamaCppBackend(ServerBackend):
             raise
         self.slots = {"generate": 0, "judge": 1}
         self.gguf = path
+
+    def start(self, problem: str) -> None:
+        super().start(problem)
+        self.server.erase_slots()  # a cold cache for every problem (and every method of one)
 
     def close(self) -> None:
         super().close()

@@ -42,7 +42,8 @@ def _ran_packed_kernel(fn) -> bool:
             fn()
     finally:
         native._MODULE = saved
-    return (spy is not None and spy.counts["linear"] > 0) or any("_linear_pointwise" in e.key for e in prof.key_averages())
+    return (spy is not None and spy.counts["linear"] > 0) or any(
+        "_linear_pointwise" in e.key or e.key.startswith("streamspec_native::linear") for e in prof.key_averages())
 
 
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48), (0, 48)])
@@ -136,19 +137,24 @@ def test_bfloat16_layers_are_packed_and_match():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_graphs_call_the_packed_operator_and_see_weight_changes(dtype):
-    """Under torch.compile a packed layer is the ``streamspec::packed_linear`` operator with the
-    layer's own pack; a weight changed in place afterwards is packed again, never served stale."""
+@pytest.mark.parametrize("rows", [10, 2 * native.MAX_ROWS])
+def test_compiled_graphs_call_the_packed_operator_and_see_weight_changes(dtype, rows):
+    """Under torch.compile a packed layer is an operator with the layer's own pack: passes of up
+    to `native.MAX_ROWS` rows ``streamspec_native::linear_of`` where streamspec's kernel runs,
+    longer ones (or without the kernel) ``streamspec::packed_linear``; a weight changed in place
+    afterwards is packed again, never served stale."""
     if dtype not in packed_dtypes():
         pytest.skip("this CPU does not pack this dtype")
     torch.manual_seed(0)
     layer = nn.Linear(32, 24).to(dtype).eval()
     pack_linear_layers(layer)
-    x = torch.randn(2, 5, 32, dtype=dtype)
+    x = torch.randn(2, rows // 2, 32, dtype=dtype)
     step = torch.compile(lambda a: layer(a), fullgraph=True, dynamic=False)
+    operator = ("streamspec_native::linear_of" if rows <= native.MAX_ROWS and native.bf16_linear() is not None
+                else "streamspec::packed_linear")
     with torch.no_grad():
         expected = F.linear(x, layer.weight, layer.bias)
-        assert _ran_op(lambda: step(x), "streamspec::packed_linear")
+        assert _ran_op(lambda: step(x), operator)
         torch.testing.assert_close(step(x), expected, rtol=1e-2, atol=1e-2)
         layer.weight.mul_(-2)
         torch.testing.assert_close(step(x), F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)

@@ -29,6 +29,8 @@ def test_sources_and_refusals(tmp_path):
         gguf_path("streamspec:NoSuchModel")
     with pytest.raises(ValueError, match="threads"):
         LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=0)
+    with pytest.raises(ValueError, match="ram_cache_mib"):
+        LlamaCppServer("streamspec:SmolLM2-135M-Instruct", ram_cache_mib=-1)
     with pytest.raises(ValueError, match="exclusive"):
         DistillArgs(enabled=True, server=SERVER, decoder="some/checkpoint")
 
@@ -74,3 +76,24 @@ def test_agreement_with_the_model_is_reported():
     assert report["identical_share"] == report["identical"] / 2
     with pytest.raises(ValueError, match="server"):
         server_agreement("streamspec:SmolLM2-135M-Instruct", "sql", DistillArgs(enabled=True), count=1)
+
+
+def test_erased_slots_prefill_again_and_no_other_cache_restores_them():
+    """With the host-memory prompt cache off, erasing the slots leaves nothing cached: a prompt
+    seen before is prefilled whole; erasing needs slot actions."""
+    from streamspec.llamacpp import post_json
+
+    prompt = [1, 9690, 198, 2683, 359, 253] * 8
+
+    def prefilled(url):
+        return post_json(url + "/completion", {"prompt": prompt, "n_predict": 1, "cache_prompt": True,
+                                               "id_slot": 0})["timings"]["prompt_n"]
+
+    with LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1, ram_cache_mib=0, slot_actions=True) as server:
+        whole = prefilled(server.url)
+        assert whole >= len(prompt) - 1 and prefilled(server.url) <= 1  # the slot's own cache
+        server.erase_slots()
+        assert prefilled(server.url) == whole
+    with LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1) as server:
+        with pytest.raises(RuntimeError, match="slot_actions"):
+            server.erase_slots()

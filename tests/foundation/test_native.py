@@ -5,6 +5,7 @@ routed to it and longer ones to oneDNN, eager and compiled."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -13,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamspec import native
-from streamspec.kernels import PackedLinear, cpu_kernels_available, pack_linear_layers, packed_dtypes
+from streamspec.kernels import PackedLinear, cpu_kernels_available, pack_linear_layers, packed_dtypes, unpack_linear_layers
 
-from conftest import NativeSpy
+from conftest import NativeSpy, native_op_calls
 
 _WANTED = native.cpu_has_avx512_bf16() and os.environ.get("STREAMSPEC_NATIVE_KERNELS", "1") not in ("0", "false", "off", "no")
 
@@ -48,6 +49,10 @@ def _within_float32_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     # float32 sums of K products: K roundings of at most 2^-24 of the running sum's magnitude
     scale = (x.double().abs() @ w.double().abs().T) + (b.double().abs() if b is not None else 0.0)
     assert ((out.double() - exact).abs() <= scale * x.shape[-1] * 2.0 ** -23 + 1e-30).all()
+
+
+def _within_rounding(out, x, w, b):
+    (_within_bf16_rounding if out.dtype == torch.bfloat16 else _within_float32_rounding)(out, x, w, b)
 
 
 @pytest.mark.parametrize("n, k", [(96, 48), (13, 45), (8, 32), (9, 33), (7, 1), (1536, 576), (40, 100)])
@@ -106,8 +111,10 @@ def test_passes_of_a_few_rows_take_the_kernel_and_longer_ones_onednn(counting, c
         for rows, by_kernel in [(1, True), (native.MAX_ROWS, True), (native.MAX_ROWS + 1, False), (2 * native.MAX_ROWS, False)]:
             x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
             before = counting.calls
-            out = run(x)
-            assert (counting.calls > before) == by_kernel, rows
+            result = []
+            ops = native_op_calls(lambda: result.append(run(x)))  # (compiled graphs call the C++ operator)
+            out = result[0]
+            assert (counting.calls > before or ops["linear"] > 0) == by_kernel, rows
             _within_bf16_rounding(out[0], x[0], layer.weight, layer.bias)
             torch.testing.assert_close(out, reference(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
         # an in-place change of the weight reaches the kernel's layout too
@@ -234,21 +241,71 @@ def test_attention_with_autograd_keeps_its_gradients(kernel):
     assert q.grad is not None and q.grad.abs().sum() > 0
 
 
-def test_compiled_attention_calls_the_kernel(counting):
-    """Inside a compiled graph the decoding attention is the ``streamspec::decode_attention``
-    operator (its shape function right), the same result as eager."""
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_attention_calls_the_kernel(counting, dtype, backend):
+    """Inside a compiled graph the decoding attention is the C++ operator
+    ``streamspec_native::decode_attention`` (its shape function right), the same result as eager."""
     from types import SimpleNamespace
 
     from streamspec.kernels import decode_attention_forward
 
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
-    q = torch.randn(1, 6, 2, 64, dtype=torch.bfloat16)
-    k, v = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16), torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    q = torch.randn(1, 6, 2, 64, dtype=dtype)
+    k, v = torch.randn(1, 2, 40, 64, dtype=dtype), torch.randn(1, 2, 40, 64, dtype=dtype)
     mask = torch.rand(1, 1, 2, 40) > 0.2
     with torch.no_grad():
         eager = decode_attention_forward(module, q, k, v, mask, scaling=0.125)[0]
-        calls = counting.calls
-        step = torch.compile(lambda *a: decode_attention_forward(module, *a, scaling=0.125)[0], backend="aot_eager",
+        assert counting.counts["decode_attention"] == 1  # eager: through the module
+        step = torch.compile(lambda *a: decode_attention_forward(module, *a, scaling=0.125)[0], backend=backend,
                              fullgraph=True, dynamic=False)
-        compiled = step(q, k, v, mask)
-    assert counting.calls > calls and torch.equal(compiled, eager)
+        step(q, k, v, mask)
+        compiled = []
+        ops = native_op_calls(lambda: compiled.append(step(q, k, v, mask)))
+    assert ops["decode_attention"] == 1 and torch.equal(compiled[0], eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_layers_take_the_cpp_operator_and_see_every_weight_change(kernel, dtype):
+    """Inside a compiled graph a packed layer of a few rows is ``streamspec_native::linear_of``,
+    which finds the weight's pack in C++: the very pack the layer made (the same bits as eager),
+    packed again when the weight changes in place or is replaced, never served stale."""
+    if dtype not in packed_dtypes():
+        pytest.skip("this CPU does not pack this dtype")
+    torch.manual_seed(1)
+    layer = nn.Linear(63, 70).to(dtype).eval()  # an odd K and a partial last tile
+    pack_linear_layers(layer)
+    step = torch.compile(lambda a: layer(a), fullgraph=True, dynamic=False)
+    x = torch.randn(1, 3, 63, dtype=dtype)
+    with torch.no_grad():
+        step(x)  # (compiles)
+        gc.collect()  # (the weights of earlier tests that are gone)
+        held = kernel.packs_held()
+        out = []
+        assert native_op_calls(lambda: out.append(step(x)))["linear"] == 1
+        assert torch.equal(out[0], layer(x))  # compiled and eager: one kernel, one pack
+        assert kernel.packs_held() == held  # the layer's own pack, not a second one
+        layer.weight.mul_(-3)  # in place: the version moves
+        assert torch.equal(step(x), layer(x))
+        _within_rounding(step(x)[0], x[0], layer.weight, layer.bias)
+        layer.weight = nn.Parameter(torch.randn(70, 63, dtype=dtype))  # a new tensor
+        assert torch.equal(step(x), layer(x))
+        _within_rounding(step(x)[0], x[0], layer.weight, layer.bias)
+
+
+def test_linear_of_refuses_another_width_and_drops_dead_weights(kernel):
+    weight = torch.randn(16, 63, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x has 62 inputs"):  # (62 would fit the padded pack of 63)
+        torch.ops.streamspec_native.linear_of(torch.randn(1, 62, dtype=torch.bfloat16), weight, None)
+    gc.collect()  # (the weights of earlier tests that are gone)
+    held = kernel.packs_held()
+    torch.ops.streamspec_native.linear_of(torch.randn(1, 63, dtype=torch.bfloat16), weight, None)
+    assert kernel.packs_held() == held + 1
+    del weight
+    gc.collect()
+    assert kernel.packs_held() == held
+    layer = nn.Linear(32, 8).to(torch.bfloat16)
+    pack_linear_layers(layer)
+    assert kernel.packs_held() == held + 1
+    unpack_linear_layers(layer)
+    assert kernel.packs_held() == held

@@ -263,5 +263,11 @@ def test_llama_cpp_judgements_on_their_own_slot_prefill_only_the_new_step(single
         assert set(second.answer_probs) == {"Yes", "No"}
         after = base.judge("So Tom has 7 apples.\n\n", "error_yes_no_fewshot")  # examples after: all again
         assert after.tokens_read > len(base._tokenizer(JUDGE_REQUESTS["error_yes_no_fewshot"].text)["input_ids"])
+        # the same problem started again (another method's run of it) finds nothing cached: what
+        # it judges costs what it cost the first time, whichever run came before
+        base.start("Tom has 3 apples and buys 4 more. How many apples does he have?")
+        base.generate(24, Sampling(temperature=0.0), stop)
+        again = base.judge("He buys 4 more, so 3 + 4 = 7.\n\n", "error_yes_no_fewshot_first")
+        assert again.tokens_read == first.tokens_read
     finally:
         base.close()
