@@ -111,7 +111,11 @@ class LlamaCppServer:
             params.slot_save_path = self._slot_dir.name
         if self.speculative is not None:
             params.speculative.types = [getattr(xlc.common_speculative_type, SPECULATIVE[self.speculative])]
-        self._server = xlc.Server(params)
+        try:
+            self._server = xlc.Server(params)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         address = self._server.listening_address
         self.url = address if address.startswith("http") else f"http://{address}"
         return self
@@ -131,7 +135,7 @@ class LlamaCppServer:
         if not self.slot_actions:
             raise RuntimeError("erase_slots needs a server started with slot_actions=True")
         for slot in range(self.parallel):
-            post_json(f"{self.url}/slots/{slot}?action=erase", {})
+            post_json(f"{self.url}/slots/{slot}?action=erase", {}, timeout=60.0)
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:

@@ -62,16 +62,31 @@ def compile_arg(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"expected on, off, auto or a backend {list(COMPILE_BACKENDS)}; got {text!r}")
 
 
-def compile_pays(device: torch.device | str, dtype: torch.dtype) -> bool:
+def compile_pays(device: torch.device | str, dtype: torch.dtype, model=None) -> bool:
     """The rule ``compile="auto"`` follows: whether a compiled step is faster than the eager one
     for a model on `device` in `dtype`. On CUDA always (one graph replaces a launch per kernel:
     the step is launch-bound at batch 1). On a CPU in bfloat16 too: measured faster there
-    (`eval/step_speed.py`, docs/benchmarks.md "The step at the machine's limit"); in float32 the
-    eager step with streamspec's packed oneDNN kernels is kept (measured as fast or faster)."""
+    (`eval/step_speed.py`, docs/benchmarks.md "The step at the machine's limit"). In float32 on
+    a CPU where streamspec's own kernels run (`streamspec.native`: the attention kernel in float32
+    too, the kernels called from the graph in C++): measured faster (one token 22.7 ms a step
+    compiled against 29.7 eager, tree (2,1,1) 42.1 against 48.4, one thread of this project's
+    AMD EPYC); elsewhere in float32 the eager step with the packed oneDNN kernels is kept
+    (measured as fast or faster without them), and so is a given `model` none of whose layers is
+    packed (`streamspec.kernels.PackedLinear`: torch's default kernels, ``--default-kernels``)."""
     kind = torch.device(device).type
     if kind == "cuda":
         return True
-    return kind == "cpu" and dtype == torch.bfloat16
+    if kind != "cpu":
+        return False
+    if dtype == torch.bfloat16:
+        return True
+    if dtype == torch.float32:
+        from .. import native
+        from ..kernels import PackedLinear
+
+        packed = model is None or any(type(m) is PackedLinear for m in model.modules())
+        return packed and native.bf16_linear() is not None
+    return False
 
 
 def _option(help: str, parse=None, metavar: str | None = None, choices=None) -> dict:
@@ -163,7 +178,7 @@ class DecodeConfig:
         except (StopIteration, AttributeError):
             return self.replace(compile=False)
         possible = batch == 1 and self.prune_threshold is None and self.verify != "host" and hasattr(model, "num_drafts")
-        return self.replace(compile=bool(possible and compile_pays(param.device, param.dtype)))
+        return self.replace(compile=bool(possible and compile_pays(param.device, param.dtype, model)))
 
     @property
     def compile_backend(self) -> str | None:

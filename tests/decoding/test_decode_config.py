@@ -129,10 +129,21 @@ def test_compile_auto_follows_the_rule_where_a_compiled_pass_can_run():
     from streamspec.evaluation.benchmark import row_config, streaming_method
 
     assert compile_arg("auto") == "auto" and DecodeConfig(compile="auto").compile_backend is None
+    from streamspec import native
+
     assert compile_pays("cuda", torch.float32) and compile_pays("cpu", torch.bfloat16)
-    assert not compile_pays("cpu", torch.float32) and not compile_pays("mps", torch.bfloat16)
-    model = _model()  # float32 on the CPU: eager
+    # float32 on a CPU: compiled where streamspec's own kernels run (measured faster there), else eager
+    fp32_compiles = native.bf16_linear() is not None
+    assert compile_pays("cpu", torch.float32) == fp32_compiles
+    assert not compile_pays("mps", torch.bfloat16) and not compile_pays("cpu", torch.float16)
+    model = _model()  # float32 on the CPU, torch's default kernels: eager
     assert DecodeConfig(compile="auto").resolved(model).compile is False
+    from streamspec.kernels import pack_linear_layers, unpack_linear_layers
+
+    pack_linear_layers(model)  # packed: compiled where streamspec's own kernels run
+    assert DecodeConfig(compile="auto").resolved(model).compile is fp32_compiles
+    assert streaming_method(model, 0, DecodeConfig(compile="auto")).config.compile is fp32_compiles
+    unpack_linear_layers(model)
     bf16 = _model().to(torch.bfloat16)
     assert DecodeConfig(compile="auto").resolved(bf16).compile is True
     for blocked in (dict(prune_threshold=0.1), dict(verify="host")):
