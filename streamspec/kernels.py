@@ -166,19 +166,22 @@ def _packed(layer: nn.Linear, own: bool | None = None) -> tuple:
 
 
 def _register_pack(weight: torch.Tensor, packed: tuple) -> None:
-    if packed[1] is not None and native.ready():  # the same pack for the C++ operator of compiled graphs
-        native.bf16_linear().remember_pack(weight, packed[1])
+    if native.ready():  # the same pack for the C++ operator of compiled graphs (or none: oneDNN alone)
+        if packed[1] is not None:
+            native.bf16_linear().remember_pack(weight, packed[1])
+        else:
+            native.bf16_linear().forget_pack(weight)
     key = _pack_key(weight)
     entry = _PACKS.get(key)
     known = entry is not None and entry[0]() is weight
     _PACKS[key] = (weakref.ref(weight), weight._version, packed)
-    if not known:  # one finalizer per weight: the pack goes with it
-        weakref.finalize(weight, _drop_pack, key)
+    if not known:  # one finalizer per weight: the packs go with it (the C++ operator's too)
+        weakref.finalize(weight, _drop_pack, key, weight._cdata)
 
 
-def _drop_pack(key: tuple) -> None:
-    if native.ready():  # (the C++ operator's entries of weights that died go too)
-        native.bf16_linear().packs_held()
+def _drop_pack(key: tuple, impl: int | None = None) -> None:
+    if impl is not None and native.ready():
+        native.bf16_linear().forget_impl(impl)
     entry = _PACKS.get(key)
     if entry is not None and entry[0]() is None:
         del _PACKS[key]

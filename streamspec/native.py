@@ -105,14 +105,17 @@ def bf16_linear():
     return module
 
 
+_SHAPES_REGISTERED = False
+
+
 def _register_shapes() -> None:
     """Shape functions of the module's dispatcher operators (``torch.ops.streamspec_native``,
-    registered by loading it), so that compiled graphs can call them."""
+    registered by loading it), so that compiled graphs can call them; once a process."""
+    global _SHAPES_REGISTERED
+    if _SHAPES_REGISTERED:
+        return
+    _SHAPES_REGISTERED = True
     import torch
-
-    @torch.library.register_fake("streamspec_native::linear")
-    def _linear_shape(x, packed, out_features, bias):
-        return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("streamspec_native::linear_of")
     def _linear_of_shape(x, weight, bias):

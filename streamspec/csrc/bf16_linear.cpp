@@ -547,8 +547,12 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
 // pack is found here by the weight's TensorImpl (held weakly, so its address is not reused while
 // an entry names it) and is served only while that weight is unchanged: the same data pointer,
 // version counter, sizes, strides and dtype. A weight changed in place (its version moves) or
-// replaced is packed again on its next call. Python seeds the entries with the packs it made
-// (`remember_pack`) so that a layer's pack exists once, and drops them when a layer is unpacked.
+// replaced is packed again on its next call (as the eager path: a change through ``.data`` that
+// keeps the address and version is not seen). Python seeds the entries with the packs it made
+// (`remember_pack`), so that a layer's pack exists once, and drops them when a layer is unpacked
+// or its weight dies (`forget_impl`, from the weight's finalizer). Packs leave the registry only
+// after its lock is released (`Dropped`): a pack's last reference may be a Python object, whose
+// destruction takes the GIL, and Python-side calls take the GIL before this lock.
 struct PackEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> impl;
   int64_t version;
@@ -558,8 +562,17 @@ struct PackEntry {
   torch::Tensor packed;
 };
 
-std::mutex g_packs_mutex;
-std::unordered_map<const c10::TensorImpl*, PackEntry> g_packs;
+std::mutex& packs_mutex() {
+  static auto* mutex = new std::mutex();  // never destroyed: no order of destruction at exit
+  return *mutex;
+}
+
+std::unordered_map<const c10::TensorImpl*, PackEntry>& packs() {
+  static auto* map = new std::unordered_map<const c10::TensorImpl*, PackEntry>();
+  return *map;
+}
+
+using Dropped = std::vector<torch::Tensor>;  // declared before a lock: destroyed after its release
 
 bool entry_is(const PackEntry& e, const torch::Tensor& w) {
   const auto alive = e.impl.lock();
@@ -568,45 +581,78 @@ bool entry_is(const PackEntry& e, const torch::Tensor& w) {
          c10::IntArrayRef(e.strides).equals(w.strides());
 }
 
-void drop_expired_locked() {
-  for (auto it = g_packs.begin(); it != g_packs.end();) it = it->second.impl.expired() ? g_packs.erase(it) : std::next(it);
+void drop_expired_locked(Dropped& dropped) {
+  auto& map = packs();
+  for (auto it = map.begin(); it != map.end();) {
+    if (it->second.impl.expired()) {
+      dropped.push_back(std::move(it->second.packed));
+      it = map.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
-void store_locked(const torch::Tensor& w, const torch::Tensor& packed) {
-  if (g_packs.size() % 64 == 63) drop_expired_locked();  // the entries of weights that died
-  g_packs.insert_or_assign(w.unsafeGetTensorImpl(), PackEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
-                                               static_cast<int64_t>(w._version()), w.data_ptr(), w.sizes().vec(),
-                                               w.strides().vec(), w.scalar_type(), packed});
+void erase_locked(const c10::TensorImpl* key, Dropped& dropped) {
+  auto& map = packs();
+  const auto it = map.find(key);
+  if (it != map.end()) {
+    dropped.push_back(std::move(it->second.packed));
+    map.erase(it);
+  }
+}
+
+void store_locked(const torch::Tensor& w, const torch::Tensor& packed, Dropped& dropped) {
+  if (packs().size() % 64 == 63) drop_expired_locked(dropped);  // the entries of weights that died unseen
+  erase_locked(w.unsafeGetTensorImpl(), dropped);
+  packs().emplace(w.unsafeGetTensorImpl(),
+                  PackEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
+                            static_cast<int64_t>(w._version()), w.data_ptr(), w.sizes().vec(), w.strides().vec(),
+                            w.scalar_type(), packed});
 }
 
 void remember_pack(const torch::Tensor& weight, const torch::Tensor& packed) {
   TORCH_CHECK(weight.dim() == 2 && packed.scalar_type() == weight.scalar_type(),
               "remember_pack: a 2-D weight and its pack, in one dtype");
-  std::lock_guard<std::mutex> lock(g_packs_mutex);
-  store_locked(weight, packed);
+  Dropped dropped;
+  std::lock_guard<std::mutex> lock(packs_mutex());
+  store_locked(weight, packed, dropped);
 }
 
 void forget_pack(const torch::Tensor& weight) {
-  std::lock_guard<std::mutex> lock(g_packs_mutex);
-  g_packs.erase(weight.unsafeGetTensorImpl());
+  Dropped dropped;
+  std::lock_guard<std::mutex> lock(packs_mutex());
+  erase_locked(weight.unsafeGetTensorImpl(), dropped);
 }
 
-int64_t packs_held() {
-  std::lock_guard<std::mutex> lock(g_packs_mutex);
-  drop_expired_locked();
-  return static_cast<int64_t>(g_packs.size());
+// The entry of the weight whose TensorImpl was at `address` (its finalizer's call: the weight may
+// be mid-destruction, so only the address is compared), and those of weights that died.
+void forget_impl(int64_t address) {
+  Dropped dropped;
+  std::lock_guard<std::mutex> lock(packs_mutex());
+  erase_locked(reinterpret_cast<const c10::TensorImpl*>(address), dropped);
+  drop_expired_locked(dropped);
+}
+
+// How many entries the registry holds (`sweep`: after dropping those of weights that died).
+int64_t packs_held(bool sweep) {
+  Dropped dropped;
+  std::lock_guard<std::mutex> lock(packs_mutex());
+  if (sweep) drop_expired_locked(dropped);
+  return static_cast<int64_t>(packs().size());
 }
 
 torch::Tensor pack_of(const torch::Tensor& weight) {
   {
-    std::lock_guard<std::mutex> lock(g_packs_mutex);
-    const auto it = g_packs.find(weight.unsafeGetTensorImpl());
-    if (it != g_packs.end() && entry_is(it->second, weight)) return it->second.packed;
+    std::lock_guard<std::mutex> lock(packs_mutex());
+    const auto it = packs().find(weight.unsafeGetTensorImpl());
+    if (it != packs().end() && entry_is(it->second, weight)) return it->second.packed;
   }
   torch::NoGradGuard no_grad;
   auto packed = pack(weight.detach());
-  std::lock_guard<std::mutex> lock(g_packs_mutex);
-  store_locked(weight, packed);
+  Dropped dropped;
+  std::lock_guard<std::mutex> lock(packs_mutex());
+  store_locked(weight, packed, dropped);
   return packed;
 }
 
@@ -626,20 +672,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of a few bf16 or float32 query rows against a cache, [B, T, H, D] out");
   m.def("remember_pack", &remember_pack, "the pack `linear_of` serves for this weight while it is unchanged");
   m.def("forget_pack", &forget_pack, "drop the pack remembered for this weight");
-  m.def("packs_held", &packs_held, "how many weights' packs `linear_of` holds (the dead ones' dropped first)");
+  m.def("forget_impl", &forget_impl, "drop the pack of the weight whose TensorImpl was at this address (and the dead ones')");
+  m.def("packs_held", &packs_held, "how many weights' packs `linear_of` holds (sweep: the dead ones' dropped first)",
+        py::arg("sweep") = true);
+  m.def("pack_of", &pack_of, "the pack `linear_of` serves for this weight (made now if none is fresh)");
 }
 
 // The kernels as dispatcher operators (``torch.ops.streamspec_native.*``), for compiled decoding
 // steps: a graph calls them with no Python between the graph and the kernel (the Python-defined
 // ``streamspec::packed_linear`` looks its weight's pack up in Python at every call, ~4 us more).
 TORCH_LIBRARY(streamspec_native, m) {
-  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_of(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(streamspec_native, CPU, m) {
-  m.impl("linear", &linear);
   m.impl("linear_of", &linear_of);
   m.impl("decode_attention", &decode_attention);
 }

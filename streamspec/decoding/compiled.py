@@ -358,8 +358,13 @@ def cpp_wrapper_wanted(backend: str, device_type: str) -> bool:
 
 
 def _compile(fn, backend: str, device_type: str):
-    options = ({"cpp_wrapper": True, "cpp_wrapper_build_separate": True} if cpp_wrapper_wanted(backend, device_type)
-               else None)
+    options = None
+    if cpp_wrapper_wanted(backend, device_type):
+        import torch._inductor.config as inductor_config
+
+        options = {"cpp_wrapper": True}
+        if hasattr(inductor_config, "cpp_wrapper_build_separate"):  # (recent torch versions)
+            options["cpp_wrapper_build_separate"] = True
     return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True, options=options)
 
 

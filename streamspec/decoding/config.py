@@ -72,7 +72,8 @@ def compile_pays(device: torch.device | str, dtype: torch.dtype, model=None) -> 
     compiled against 29.7 eager, tree (2,1,1) 42.1 against 48.4, one thread of this project's
     AMD EPYC); elsewhere in float32 the eager step with the packed oneDNN kernels is kept
     (measured as fast or faster without them), and so is a given `model` none of whose layers is
-    packed (`streamspec.kernels.PackedLinear`: torch's default kernels, ``--default-kernels``)."""
+    packed with streamspec's kernel (`streamspec.kernels.PackedLinear`; torch's default kernels,
+    ``--default-kernels``, or oneDNN alone, ``own_kernel=False``)."""
     kind = torch.device(device).type
     if kind == "cuda":
         return True
@@ -84,7 +85,8 @@ def compile_pays(device: torch.device | str, dtype: torch.dtype, model=None) -> 
         from .. import native
         from ..kernels import PackedLinear
 
-        packed = model is None or any(type(m) is PackedLinear for m in model.modules())
+        packed = model is None or any(type(m) is PackedLinear and m.__dict__.get("_streamspec_own", True)
+                                      for m in model.modules())
         return packed and native.bf16_linear() is not None
     return False
 

@@ -278,13 +278,12 @@ def test_compiled_layers_take_the_cpp_operator_and_see_every_weight_change(kerne
     step = torch.compile(lambda a: layer(a), fullgraph=True, dynamic=False)
     x = torch.randn(1, 3, 63, dtype=dtype)
     with torch.no_grad():
+        own = layer.__dict__["_streamspec_packed"][1][1]  # the pack the layer made
         step(x)  # (compiles)
-        gc.collect()  # (the weights of earlier tests that are gone)
-        held = kernel.packs_held()
         out = []
         assert native_op_calls(lambda: out.append(step(x)))["linear"] == 1
-        assert torch.equal(out[0], layer(x))  # compiled and eager: one kernel, one pack
-        assert kernel.packs_held() == held  # the layer's own pack, not a second one
+        assert torch.equal(out[0], layer(x))  # compiled and eager: one kernel
+        assert kernel.pack_of(layer.weight).data_ptr() == own.data_ptr()  # and one pack, not a second
         layer.weight.mul_(-3)  # in place: the version moves
         assert torch.equal(step(x), layer(x))
         _within_rounding(step(x)[0], x[0], layer.weight, layer.bias)
@@ -309,3 +308,15 @@ def test_linear_of_refuses_another_width_and_drops_dead_weights(kernel):
     assert kernel.packs_held() == held + 1
     unpack_linear_layers(layer)
     assert kernel.packs_held() == held
+    # a packed layer that dies takes its pack along (its weight's finalizer), with no sweep asked for
+    layer = nn.Linear(32, 8).to(torch.bfloat16)
+    pack_linear_layers(layer)
+    assert kernel.packs_held(sweep=False) == held + 1
+    del layer
+    gc.collect()
+    assert kernel.packs_held(sweep=False) == held
+    # packed again without streamspec's kernel: the C++ operator's pack goes too
+    layer = nn.Linear(32, 8).to(torch.bfloat16)
+    pack_linear_layers(layer)
+    pack_linear_layers(layer, own_kernel=False)
+    assert kernel.packs_held(sweep=False) == held
