@@ -223,9 +223,7 @@ _LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 _LIBRARY.impl("packed_linear", _packed_linear_cpu, "CPU")
 
 
-@torch.library.register_fake("streamspec::packed_linear")
-def _packed_linear_shape(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+torch.library.register_fake("streamspec::packed_linear")(native.linear_shape)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -375,10 +373,7 @@ _LIBRARY.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor
 _LIBRARY.impl("decode_attention", _decode_attention_cpu, "CPU")
 
 
-@torch.library.register_fake("streamspec::decode_attention")
-def _decode_attention_shape(query, key, value, mask, scale):
-    batch, heads, rows, dim = query.shape
-    return query.new_empty((batch, rows, heads, dim))
+torch.library.register_fake("streamspec::decode_attention")(native.attention_shape)
 
 
 def _register_decode_attention() -> None:

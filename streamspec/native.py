@@ -108,6 +108,20 @@ def bf16_linear():
 _SHAPES_REGISTERED = False
 
 
+def linear_shape(x, weight, bias):
+    """The output of ``x @ weight.T`` without computing it (the shape functions of the packed
+    linear operators: ``streamspec_native::linear_of``, ``streamspec::packed_linear``)."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def attention_shape(query, key, value, mask, scale):
+    """The decoding attention's output, [B, T, H, D] for a [B, H, T, D] query, without computing
+    it (the shape function of ``streamspec_native::decode_attention`` and
+    ``streamspec::decode_attention``)."""
+    batch, heads, rows, dim = query.shape
+    return query.new_empty((batch, rows, heads, dim))
+
+
 def _register_shapes() -> None:
     """Shape functions of the module's dispatcher operators (``torch.ops.streamspec_native``,
     registered by loading it), so that compiled graphs can call them; once a process."""
@@ -117,11 +131,5 @@ def _register_shapes() -> None:
     _SHAPES_REGISTERED = True
     import torch
 
-    @torch.library.register_fake("streamspec_native::linear_of")
-    def _linear_of_shape(x, weight, bias):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.register_fake("streamspec_native::decode_attention")
-    def _attention_shape(query, key, value, mask, scale):
-        batch, heads, rows, dim = query.shape
-        return query.new_empty((batch, rows, heads, dim))
+    torch.library.register_fake("streamspec_native::linear_of")(linear_shape)
+    torch.library.register_fake("streamspec_native::decode_attention")(attention_shape)

@@ -129,7 +129,7 @@ def _host_tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list
 
 
 @lru_cache(maxsize=None)
-def _compiled_host_pass(backend: str, device_type: str = "cpu"):
+def _compiled_host_pass(backend: str, device_type: str | None = None):
     """`_host_tree_pass` through torch.compile with static shapes (one graph per model, padded
     size, depth, sampler settings and cache capacity; the tree's structure is data)."""
     return _compile(_host_tree_pass, backend, device_type)
@@ -235,7 +235,7 @@ def _token_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[tor
 
 
 @lru_cache(maxsize=None)
-def _compiled_token_pass(backend: str, device_type: str = "cpu"):
+def _compiled_token_pass(backend: str, device_type: str | None = None):
     """`_token_pass` through torch.compile with static shapes (one graph per model, sampler
     settings and cache capacity)."""
     return _compile(_token_pass, backend, device_type)
@@ -337,15 +337,15 @@ def compiled_capacity(text_entries: int, pass_rows: int = 0) -> int:
 
 
 @lru_cache(maxsize=None)
-def _compiled_pass(backend: str, device_type: str = "cpu"):
+def _compiled_pass(backend: str, device_type: str | None = None):
     """`_tree_pass` through torch.compile with static shapes (one graph per model, tree shape,
     sampler settings and cache capacity; `past`, the tokens and the seed are tensors)."""
     return _compile(_tree_pass, backend, device_type)
 
 
-def cpp_wrapper_wanted(backend: str, device_type: str) -> bool:
-    """Whether a compiled pass runs inductor's C++ wrapper: inductor on a CPU, unless
-    ``STREAMSPEC_CPP_WRAPPER=0``. The graph then calls its kernels and streamspec's C++ operators
+def cpp_wrapper_wanted(backend: str, device_type: str | None) -> bool:
+    """Whether a compiled pass runs inductor's C++ wrapper: inductor on a CPU (the device type the
+    decoding loops pass; none named: the Python wrapper), unless ``STREAMSPEC_CPP_WRAPPER=0``. The graph then calls its kernels and streamspec's C++ operators
     from C++ rather than from a Python function of ~300 calls. Its entry is built apart from the
     kernels (inductor's ``cpp_wrapper_build_separate``: the entry at a low optimisation level),
     which keeps the first compile of a shape as long as the Python wrapper's. Measured (bf16, one
@@ -357,7 +357,7 @@ def cpp_wrapper_wanted(backend: str, device_type: str) -> bool:
     return backend == "inductor" and device_type == "cpu" and not off
 
 
-def _compile(fn, backend: str, device_type: str):
+def _compile(fn, backend: str, device_type: str | None):
     options = None
     if cpp_wrapper_wanted(backend, device_type):
         import torch._inductor.config as inductor_config
