@@ -14,7 +14,7 @@ LM-head call over that many rows (median of 7).
 Prompts are GSM8K validation problems (rows 1237+) in the checkpoint's chat template; every
 result is checked against one-token-per-pass decoding (greedy), so a faster row that decodes
 something else is reported, not hidden. Pass ``--compile`` to time `generate(..., compile=True)`
-next to the uncompiled rows (when this version has it): each compile row first decodes every
+next to the uncompiled rows (with `--batch`, batches too) (when this version has it): each compile row first decodes every
 prompt once untimed, and the seconds that took (compilation included: the first call compiles,
 and a prompt whose cache capacity falls in another 256-entry step compiles again) are reported
 as ``warmup_seconds``, apart from the timed repeats.
@@ -32,6 +32,25 @@ from streamspec.decoding import generate
 from streamspec.kernels import cpu_kernels_available, pack_linear_layers
 from streamspec.loading import load_for_inference
 from streamspec.reason.tasks import load_problems
+
+
+def _decode_batches(model, tokenizer, prompts, args, eos, device, extra, reference=None):
+    """Decode the prompts in batches of ``--batch`` (left-padded by the tokenizer); returns the
+    seconds, the tokens and whether every row equals one token a pass (`reference`)."""
+    seconds = tokens = 0
+    same = True
+    for first in range(0, len(prompts), args.batch):
+        group = prompts[first : first + args.batch]
+        batch = tokenizer.pad({"input_ids": [p[0].tolist() for p in group]}, return_tensors="pt")
+        start = time.perf_counter()
+        out = generate(model, batch.input_ids.to(device), args.max_new_tokens, eos_token_id=eos,
+                       attention_mask=batch.attention_mask.to(device), **extra)
+        seconds += time.perf_counter() - start
+        for j, n in enumerate(out.lengths):
+            if reference is not None:
+                same &= out.tokens[j, :n].tolist() == reference[first + j]
+            tokens += n
+    return seconds, tokens, same
 
 
 def main() -> None:
@@ -119,22 +138,18 @@ def main() -> None:
             entry["tokens_per_pass"] = round(tokens / passes, 3)
             entry["identical"] &= same
         if args.batch > 1:
-            seconds = tokens = 0
-            same = True
-            for first in range(0, len(prompts), args.batch):
-                group = prompts[first : first + args.batch]
-                batch = tokenizer.pad({"input_ids": [p[0].tolist() for p in group]}, return_tensors="pt")
-                start = time.perf_counter()
-                out = generate(model, batch.input_ids.to(device), args.max_new_tokens, eos_token_id=eos,
-                               attention_mask=batch.attention_mask.to(device))
-                seconds += time.perf_counter() - start
-                for j, n in enumerate(out.lengths):
-                    got = out.tokens[j, :n].tolist()
-                    same &= got == reference[first + j]
-                    tokens += n
-            entry = results.setdefault(f"batch {args.batch}, chain", {"tokens_per_second": [], "identical": True})
-            entry["tokens_per_second"].append(round(tokens / seconds, 2))
-            entry["identical"] &= same
+            for compiled in [False] + ([True] if args.compile and can_compile else []):
+                extra = {"compile": True} if compiled else {}
+                name = f"batch {args.batch}, chain" + (", compile" if compiled else "")
+                if compiled and repeat == 0:  # untimed: the first calls compile (one graph per batch size)
+                    start = time.perf_counter()
+                    _decode_batches(model, tokenizer, prompts, args, eos, device, extra)
+                    results[name] = {"tokens_per_second": [], "identical": True,
+                                     "warmup_seconds": round(time.perf_counter() - start, 1)}
+                seconds, tokens, same = _decode_batches(model, tokenizer, prompts, args, eos, device, extra, reference)
+                entry = results.setdefault(name, {"tokens_per_second": [], "identical": True})
+                entry["tokens_per_second"].append(round(tokens / seconds, 2))
+                entry["identical"] &= same
     print(json.dumps({"device": str(device), "dtype": str(next(model.parameters()).dtype), "threads": args.threads,
                       "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                       "lm_head_ms_by_rows": head_ms, "results": results}, indent=1))

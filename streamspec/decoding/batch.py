@@ -21,21 +21,69 @@ from .output import _within_limits, read_to_host
 from ..patch.layout import causal, last_real_positions, main_allowed, position_ids_from_mask, row_allowed
 
 
+def chain_verify(model, main, streams, chain, positions, sampler, key, fuse_head: bool):
+    """What a batch pass decides from its hidden states: each row's accepted drafts and the next
+    root and chain. `main` [B, n, h] and `streams` [B, n, γ, h] are the pass's hidden states over
+    `chain` [B, n] (the root, then the drafts) at `positions` [B, n]. Returns the pass's one read
+    [B, 1+n] (each row's accepted count, then its accepted tokens and correction padded with
+    drafts), the next roots [B] and drafts [B, γ]."""
+    batch, n = chain.shape
+    g = n - 1
+    rows = torch.arange(batch, device=chain.device)
+    steps = torch.arange(n, device=chain.device)
+    # Every row's choice at every node (a draw per node when sampling: only those on the
+    # accepted path are used), and the stream rows of each row's deepest accepted node.
+    if fuse_head:
+        logits = model.head(torch.cat([main, streams.flatten(1, 2)], dim=1))  # [B, n + n·γ, V]
+        choice = sampler(logits[:, :n], positions + 1, rows[:, None], key=key)  # [B, 1+γ]
+    else:
+        choice = sampler(model.head(main), positions + 1, rows[:, None], key=key)
+    depth = (chain[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B] accepted drafts
+    roots = choice.gather(1, depth[:, None])[:, 0]
+    new = torch.where(steps[:n - 1] == depth[:, None], roots[:, None], chain[:, 1:])  # [B, γ]: drafts, then the correction
+    new = torch.cat([new, roots[:, None]], dim=1)
+    if fuse_head:
+        drafts = logits[:, n:].unflatten(1, (n, g)).argmax(-1)[rows, depth]  # [B, γ]: the deepest node's streams
+    else:
+        drafts = model.head(streams[rows, depth]).argmax(-1)
+    return torch.cat([depth[:, None], new], dim=1), roots, drafts
+
+
+def _graph_key_batch(model, batch, streams, capacity, sampler, backend, fuse_head):
+    from .compiled import _graph_key
+
+    return _graph_key(model, ("batch", batch, streams, fuse_head), capacity, sampler, backend)
+
+
 @torch.no_grad()
-def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, stop, output_cls, fuse_head: bool = True):
+def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, stop, output_cls, fuse_head: bool = True,
+                   compile_backend: str | None = None):
     """See `streamspec.decoding.generate`; returns an `output_cls` whose tokens are [B, n]
     (rows shorter than n padded with their last token's EOS, or 0) and `lengths` per row.
 
     With `fuse_head`, a pass makes one LM-head call over every row's chain and stream rows (the
     fewest calls: what suits an accelerator); without, two calls, the second over each row's
     accepted node's stream rows only (the fewest rows: what suits a CPU, where every call reads
-    the whole LM-head weight from memory)."""
+    the whole LM-head weight from memory).
+
+    With `compile_backend`, every pass after the prefill is one compiled `batch_pass` call
+    (`streamspec.decoding.compiled`: static shapes over the whole cache buffers, one graph per
+    model, batch size, sampler settings and cache capacity); the tokens equal the uncompiled
+    loop's (greedy; sampled with the same seed) up to the compiled kernels' float rounding."""
     batch, length = input_ids.shape
     device = input_ids.device
     g = model.num_drafts
     n = 1 + g
     # A row stores at most n entries per pass and passes stop once every row has max_new_tokens.
-    cache = RowCache(len(model.layers), capacity=length + max_new_tokens + 2 * n)
+    if compile_backend is not None:
+        from .compiled import compiled_capacity
+
+        # one graph for the whole generation: the buffers never grow (a multiple of 256 entries,
+        # so prompts of similar lengths share it)
+        capacity = compiled_capacity(length + max_new_tokens, 2 * n)
+    else:
+        capacity = length + max_new_tokens + 2 * n
+    cache = RowCache(len(model.layers), capacity=capacity)
     prompt_real = attention_mask.bool()
     if not prompt_real.any(dim=1).all():
         raise ValueError("every row of attention_mask needs at least one real token")
@@ -63,34 +111,39 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     def finished(b):
         return len(generated[b]) >= max_new_tokens or b in ended
 
+    compiled = None
+    if compile_backend is not None:
+        from .compiled import _compiled_batch_pass
+
+        compiled = _compiled_batch_pass(compile_backend, device.type)
+        key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
+        capacity = cache.capacity
+        key_real = torch.cat([prompt_real, prompt_real.new_ones(batch, capacity - length)], dim=1)  # [B, C]
+        graph = _graph_key_batch(model, batch, g, capacity, sampler, compile_backend, fuse_head)
+        what = f"a batch of {batch}, chains of {n}, cache of {capacity}"
+    checked = False
     while not all(finished(b) for b in range(batch)):
         start = time.perf_counter()
         # Rows that have ended stop storing entries (their passes are discarded); a host-to-
         # device copy, not a read.
         live = torch.tensor([not finished(b) for b in range(batch)], device=device)
-        chain = torch.cat([roots[:, None], drafts], dim=1)  # [B, 1+γ]
-        positions = next_position[:, None] + steps
-        ok = row_allowed(prompt_real, cache.row_lengths, cache.width, n)
-        slots = steps.expand(batch, n)
-        main, streams = model.step(chain, positions, ok, slots, cache)
-        # Every row's choice at every node (a draw per node when sampling: only those on the
-        # accepted path are used), and the stream rows of each row's deepest accepted node.
-        if fuse_head:
-            logits = model.head(torch.cat([main, streams.flatten(1, 2)], dim=1))  # [B, n + n·γ, V]
-            choice = sampler(logits[:, :n], positions + 1, rows[:, None])  # [B, 1+γ]
+        if compiled is not None:
+            from .compiled import _CompileNotice, _checked_once
+
+            with _CompileNotice(graph, what), _checked_once(checked):
+                summary, roots, drafts, row_lengths, next_position = compiled(
+                    model, *cache.buffers, cache.row_lengths, key_real, roots, drafts, next_position, live, sampler,
+                    key, fuse_head)
+            checked = True
         else:
-            choice = sampler(model.head(main), positions + 1, rows[:, None])
-        depth = (chain[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B] accepted drafts
-        roots = choice.gather(1, depth[:, None])[:, 0]
-        new = torch.where(steps[:n - 1] == depth[:, None], roots[:, None], chain[:, 1:])  # [B, γ]: drafts, then the correction
-        new = torch.cat([new, roots[:, None]], dim=1)
-        if fuse_head:
-            drafts = logits[:, n:].unflatten(1, (n, g)).argmax(-1)[rows, depth]  # [B, γ]: the deepest node's streams
-        else:
-            drafts = model.head(streams[rows, depth]).argmax(-1)
-        stored = (depth + 1) * live
-        next_position = next_position + stored
-        summary = read_to_host(torch.cat([depth[:, None], new], dim=1))
+            chain = torch.cat([roots[:, None], drafts], dim=1)  # [B, 1+γ]
+            positions = next_position[:, None] + steps
+            ok = row_allowed(prompt_real, cache.row_lengths, cache.width, n)
+            main, streams = model.step(chain, positions, ok, steps.expand(batch, n), cache)
+            summary, roots, drafts = chain_verify(model, main, streams, chain, positions, sampler, None, fuse_head)
+            stored = (summary[:, 0] + 1) * live
+            next_position = next_position + stored
+        summary = read_to_host(summary)
         accepted_total = 0
         for b, (d, *tokens) in enumerate(summary):
             if not finished(b):
@@ -100,7 +153,10 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
                 accepted_total += d + 1
                 if any(t in stop for t in accepted):
                     ended.add(b)
-        cache.advance(stored, max(widths))
+        if compiled is not None:
+            cache.count_rows(row_lengths, max(widths))
+        else:
+            cache.advance(stored, max(widths))
         out.forward_passes += 1
         out.accepted_per_pass.append(accepted_total)
         out.nodes_per_pass.append((batch * n, batch * n))

@@ -285,6 +285,39 @@ def _autoregressive_compiled(model, input_ids, max_new_tokens, stop: set[int], s
     return out
 
 
+def _batch_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torch.Tensor], row_lengths: torch.Tensor,
+                key_real: torch.Tensor, roots: torch.Tensor, drafts: torch.Tensor, next_position: torch.Tensor,
+                live: torch.Tensor, sampler: Sampler, key: torch.Tensor, fuse_head: bool):
+    """One pass of a batch's chains with every shape static (`generate_batch` with a compile
+    backend): each row's chain (its root `roots` [B], then `drafts` [B, γ]) at its own positions
+    (`next_position` [B] on), its main entries written right after its `row_lengths` [B] stored
+    ones (`StaticRowCacheView`), attention over the whole buffers under `row_allowed` (`key_real`
+    [B, C]: the prompts' padding hidden), then `chain_verify`. Rows not `live` [B] (ended) store
+    nothing. Returns the pass's one read [B, 2+γ], the next roots and drafts, and each row's
+    stored entries and next position after the pass."""
+    from ..patch.cache import StaticRowCacheView
+    from ..patch.layout import row_allowed
+    from .batch import chain_verify
+
+    batch, n = roots.shape[0], 1 + drafts.shape[1]
+    capacity = keys[0].shape[-2]
+    steps = torch.arange(n, device=roots.device)
+    chain = torch.cat([roots[:, None], drafts], dim=1)
+    positions = next_position[:, None] + steps
+    ok = row_allowed(key_real, row_lengths, capacity - n, n)  # [B, n, C]
+    main, streams = model.step(chain, positions, ok, steps.expand(batch, n), StaticRowCacheView(keys, values, row_lengths))
+    summary, roots, drafts = chain_verify(model, main, streams, chain, positions, sampler, key, fuse_head)
+    stored = (summary[:, 0] + 1) * live
+    return summary, roots, drafts, row_lengths + stored, next_position + stored
+
+
+@lru_cache(maxsize=None)
+def _compiled_batch_pass(backend: str, device_type: str | None = None):
+    """`_batch_pass` through torch.compile with static shapes (one graph per model, batch size,
+    sampler settings, head split and cache capacity)."""
+    return _compile(_batch_pass, backend, device_type)
+
+
 _SEEN: set = set()  # the compiled graphs this process has called (one per model, shape, sampler, capacity)
 
 
@@ -378,4 +411,6 @@ speculate_compiled = _speculate_compiled
 speculate_compiled_host = _speculate_compiled_host
 host_tree_pass = _host_tree_pass
 token_pass = _token_pass
+batch_pass = _batch_pass
+compiled_batch_pass = _compiled_batch_pass
 autoregressive_compiled = _autoregressive_compiled

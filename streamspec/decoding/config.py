@@ -179,7 +179,7 @@ class DecodeConfig:
             param = next(model.parameters())
         except (StopIteration, AttributeError):
             return self.replace(compile=False)
-        possible = batch == 1 and self.prune_threshold is None and self.verify != "host" and hasattr(model, "num_drafts")
+        possible = self.prune_threshold is None and self.verify != "host" and hasattr(model, "num_drafts")
         return self.replace(compile=bool(possible and compile_pays(param.device, param.dtype, model)))
 
     @property
@@ -228,8 +228,6 @@ class DecodeConfig:
             if shape != (1,) * model.num_drafts or self.prune_threshold is not None:
                 raise ValueError("a batch decodes the single best path per sequence: tree_top_k must be 1 (or unset) "
                                  "and prune_threshold None")
-            if backend is not None:
-                raise ValueError("compile=True decodes one sequence; a batch (B > 1) runs uncompiled")
             for feature, value in (("lookup branches", self.lookup), ("tree_budget", self.tree_budget)):
                 if value is not None:
                     self._host_tree_refused(feature, "a batch (B > 1)")

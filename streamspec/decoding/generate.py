@@ -86,17 +86,18 @@ def generate(
             forward / head / overhead split is true (slower; on a CPU the split is always true).
         compile: run each draft-tree pass (tree tokens, the model, verification and the next
             draft: everything between two host reads) through ``torch.compile`` with static
-            shapes (one sequence, speculative only). The pass attends over the whole preallocated
+            shapes (speculative only). The pass attends over the whole preallocated
             cache, its capacity rounded up to a multiple of 256 entries, under a mask built on
             the device from the stored length, so the cache growing never compiles again; the
             prefill (any prompt length) runs uncompiled. The first call with a given model, tree
             shape, sampler setting (temperature, top_p, top_k; not the seed) and capacity compiles
             (seconds to minutes); later ones reuse it. With ``speculative=False`` each one-token
-            pass after the prefill is compiled the same way. Tokens equal ``compile=False`` (greedy, and
+            pass after the prefill is compiled the same way, and so is each pass of a batch (B > 1: one
+            graph per batch size; `streamspec.decoding.batch`). Tokens equal ``compile=False`` (greedy, and
             sampled with the same seed) up to float rounding of the compiled kernels. True uses
             the "inductor" backend (a C++ compiler on a CPU); a backend name ("aot_eager",
             "eager") may be given instead. Refused with ``prune_threshold`` (pruning changes the
-            number of rows in the middle of a pass) and for a batch. The forward/head split of
+            number of rows in the middle of a pass). The forward/head split of
             the timings is not made: a pass's whole compiled call counts as forward time.
         lookup: prompt-lookup branches in the stream tree (`streamspec.decoding.lookup.PromptLookup`):
             each pass, continuations of the text's latest n-gram found earlier in the prompt or
@@ -130,8 +131,11 @@ def generate(
         from .batch import generate_batch
 
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        # one LM-head call a pass suits an accelerator; on a CPU, where each call reads the whole
+        # head weight, two calls over the fewest rows (the host walk's choice, compiled or not)
+        fuse_head = not host_walk if backend is None else input_ids.device.type != "cpu"
         return generate_batch(model, input_ids, mask, max_new_tokens, sampler, stop_set(eos_token_id), GenerateOutput,
-                              fuse_head=not host_walk)
+                              fuse_head=fuse_head, compile_backend=backend)
     if attention_mask is not None and not attention_mask.bool().all():
         input_ids = input_ids[:, attention_mask[0].bool()]  # one sequence: drop its padding
     if not speculative:

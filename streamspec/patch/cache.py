@@ -147,6 +147,36 @@ class StaticCacheView:
         raise NotImplementedError("a static cache view's length is a device tensor (past)")
 
 
+class StaticRowCacheView:
+    """The cache of a batch as a compiled decoding pass sees it (`RowCache`'s buffers, every shape
+    fixed): each row writes the pass's new main entries right after its own stored ones
+    (``row_lengths`` [B], a device tensor; ``scatter_``) and attention runs over the WHOLE buffers
+    followed by the pass's stream entries, under a mask that hides what is not the row's
+    (`streamspec.patch.layout.row_allowed` with the buffer's width). Entries stored by the pass
+    are counted by the owning `RowCache` afterwards (`RowCache.count_rows`). The buffers must be
+    zero-initialised, as for `StaticCacheView`."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], row_lengths: torch.Tensor) -> None:
+        self.keys, self.values, self.row_lengths = keys, values, row_lengths
+        self.main_length: int | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        batch, heads, new, dim = key_states.shape
+        main = new if self.main_length is None else self.main_length
+        at = (self.row_lengths[:, None] + torch.arange(main, device=key_states.device))[:, None, :, None]
+        at = at.expand(batch, heads, main, dim)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.scatter_(-2, at, key_states[..., :main, :])
+        values.scatter_(-2, at, value_states[..., :main, :])
+        if main == new:
+            return keys, values
+        return (torch.cat([keys, key_states[..., main:, :]], dim=-2),
+                torch.cat([values, value_states[..., main:, :]], dim=-2))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # pragma: no cover - not called by streamspec
+        raise NotImplementedError("a static row cache view's lengths are a device tensor (row_lengths)")
+
+
 class RowCache(MainStreamCache):
     """The cache of a batch whose rows accept different numbers of tokens per pass.
 
@@ -184,6 +214,16 @@ class RowCache(MainStreamCache):
         """Each row stores `accepted` [B] (device) more of the entries it just wrote; `width` is
         the longest row's length afterwards (the host knows it from the accepted counts)."""
         self.row_lengths = self.row_lengths + accepted
+        self._at.clear()
+        self.width = width
+        self._length = [width if k is not None else 0 for k in self._keys]
+
+    def count_rows(self, row_lengths: torch.Tensor, width: int) -> None:
+        """A compiled pass (`StaticRowCacheView`) wrote its entries in place: each row now stores
+        `row_lengths` [B] (device) entries, the longest `width` (host). Nothing moves."""
+        if width > self.capacity:
+            raise ValueError(f"cannot count {width} entries stored in buffers of {self.capacity}")
+        self.row_lengths = row_lengths
         self._at.clear()
         self.width = width
         self._length = [width if k is not None else 0 for k in self._keys]

@@ -239,13 +239,82 @@ def test_session_compiled_equals_uncompiled(models, lookup):
     assert results[0] == results[1]
 
 
+# -- batches ----------------------------------------------------------------------------------
+def _padded(prompts, side):
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        where = slice(width - p.shape[1], width) if side == "left" else slice(0, p.shape[1])
+        ids[i, where], mask[i, where] = p[0], 1
+    return ids, mask
+
+
+_BATCH_GRAPHS: set = set()
+
+
+@pytest.mark.parametrize("arch, side, backend", [
+    ("llama", "left", "inductor"),
+    ("llama", "right", "aot_eager"),
+    ("gpt2", "left", "aot_eager"),
+    ("gpt2", "right", "aot_eager"),
+])
+def test_batches_compiled_equal_uncompiled(models, arch, side, backend, capfd):
+    """A batch (B > 1) with compile: every pass after the prefill one compiled call over the whole
+    row cache, each row's tokens those of the uncompiled batch and of one token a pass for that
+    prompt alone, the same accepted counts, one graph per batch size (announced once) whatever
+    the prompts' lengths, and the EOS of one row ending that row only."""
+    model = models[arch]
+    compile = True if backend == "inductor" else backend
+    prompts = [random_ids(1, n, seed=n) for n in (3, 9, 6)]
+    ids, mask = _padded(prompts, side)
+    expected = generate(model, ids, 20, attention_mask=mask)
+    before = _graphs()
+    capfd.readouterr()
+    out = generate(model, ids, 20, attention_mask=mask, compile=compile)
+    err = capfd.readouterr().err
+    if (arch, backend) not in _BATCH_GRAPHS:  # this module's first call of the graph: announced
+        assert "compiling the decode step (a batch of 3, chains of 4, cache of 256" in err
+        _BATCH_GRAPHS.add((arch, backend))
+    else:  # the other padding side: the same graph
+        assert "compiling" not in err
+    assert out.tokens.tolist() == expected.tokens.tolist() and out.lengths == expected.lengths
+    assert out.accepted_per_pass == expected.accepted_per_pass
+    assert max(expected.accepted_per_pass[1:]) > 3, "the streams never agreed: the test would not see a wrong commit"
+    for row, prompt in enumerate(prompts):
+        assert out.tokens[row, : out.lengths[row]].tolist() == generate_autoregressive(model, prompt, 20)[0].tolist()
+    # other prompts of the same batch size: the same graph, nothing announced
+    others = [random_ids(1, n, seed=10 + n) for n in (11, 4, 7)]
+    ids, mask = _padded(others, side)
+    full = generate_autoregressive(model, others[1], 20)[0].tolist()
+    eos = full[4]
+    out = generate(model, ids, 20, attention_mask=mask, eos_token_id=eos, compile=compile)
+    assert "compiling" not in capfd.readouterr().err
+    assert _graphs() - before <= 1, "a new prompt length or padding compiled again"
+    for row, prompt in enumerate(others):
+        alone = generate_autoregressive(model, prompt, 20, eos_token_id=eos)[0].tolist()
+        assert out.tokens[row, : out.lengths[row]].tolist() == alone, row
+    assert out.lengths[1] == full.index(eos) + 1 < 20  # the row that met its EOS ended there
+
+
+def test_batches_compiled_with_seeded_sampling(models):
+    model = models["gpt2"]
+    prompts = [random_ids(1, n, seed=n) for n in (5, 8)]
+    ids, mask = _padded(prompts, "left")
+    kwargs = dict(temperature=0.8, top_k=30, top_p=0.95, attention_mask=mask)
+    for seed in (0, 3):
+        expected = generate(model, ids, 16, seed=seed, **kwargs)
+        out = generate(model, ids, 16, seed=seed, compile="aot_eager", **kwargs)
+        assert out.tokens.tolist() == expected.tokens.tolist(), seed
+
+
 def test_bad_combinations_are_refused(models):
     model = models["llama"]
     ids = random_ids(1, 5, seed=0)
     with pytest.raises(ValueError, match="prune_threshold"):
         generate(model, ids, 4, prune_threshold=0.1, compile=True)
-    with pytest.raises(ValueError, match="batch"):
-        generate(model, random_ids(2, 5, seed=0), 4, compile=True)
+    with pytest.raises(ValueError, match="single best path"):  # a batch compiles its chains, not trees
+        generate(model, random_ids(2, 5, seed=0), 4, tree_top_k=2, compile=True)
     with pytest.raises(ValueError, match="compile must be"):
         generate(model, ids, 4, compile="tensorrt")
     with pytest.raises(ValueError, match="prune_threshold"):
