@@ -150,7 +150,7 @@ def test_compile_auto_follows_the_rule_where_a_compiled_pass_can_run():
         assert DecodeConfig(compile="auto", **blocked).resolved(bf16).compile is False, blocked
     for host_tree in (dict(lookup=PromptLookup()), dict(tree_budget=5)):  # padded to fixed sizes: compiled
         assert DecodeConfig(compile="auto", **host_tree).resolved(bf16).compile is True, host_tree
-    assert DecodeConfig(compile="auto").resolved(bf16, batch=2).compile is False
+    assert DecodeConfig(compile="auto").resolved(bf16, batch=2).compile is True  # a batch compiles its chains too
     assert DecodeConfig(compile="auto").resolved(make_model("llama").to(torch.bfloat16)).compile is False  # no streams
     assert DecodeConfig(compile=True).resolved(model).compile is True  # only auto is decided
     assert streaming_method(model, 0, DecodeConfig(compile="auto")).config.compile is False
