@@ -134,20 +134,24 @@ class StaticCacheView:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         new = key_states.shape[-2]
         main = new if self.main_length is None else self.main_length
-        at = self.past + torch.arange(main, device=key_states.device)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(-2, at, key_states[..., :main, :])
-        values.index_copy_(-2, at, value_states[..., :main, :])
+        self._write(keys, values, key_states[..., :main, :], value_states[..., :main, :])
         if main == new:
             return keys, values
         return (torch.cat([keys, key_states[..., main:, :]], dim=-2),
                 torch.cat([values, value_states[..., main:, :]], dim=-2))
 
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        """Store the pass's main entries in the buffers, in place (at past + arange)."""
+        at = self.past + torch.arange(new_keys.shape[-2], device=new_keys.device)
+        keys.index_copy_(-2, at, new_keys)
+        values.index_copy_(-2, at, new_values)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:  # pragma: no cover - not called by streamspec
         raise NotImplementedError("a static cache view's length is a device tensor (past)")
 
 
-class StaticRowCacheView:
+class StaticRowCacheView(StaticCacheView):
     """The cache of a batch as a compiled decoding pass sees it (`RowCache`'s buffers, every shape
     fixed): each row writes the pass's new main entries right after its own stored ones
     (``row_lengths`` [B], a device tensor; ``scatter_``) and attention runs over the WHOLE buffers
@@ -157,21 +161,15 @@ class StaticRowCacheView:
     zero-initialised, as for `StaticCacheView`."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], row_lengths: torch.Tensor) -> None:
-        self.keys, self.values, self.row_lengths = keys, values, row_lengths
-        self.main_length: int | None = None
+        super().__init__(keys, values, past=None)
+        self.row_lengths = row_lengths
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        batch, heads, new, dim = key_states.shape
-        main = new if self.main_length is None else self.main_length
-        at = (self.row_lengths[:, None] + torch.arange(main, device=key_states.device))[:, None, :, None]
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        batch, heads, main, dim = new_keys.shape
+        at = (self.row_lengths[:, None] + torch.arange(main, device=new_keys.device))[:, None, :, None]
         at = at.expand(batch, heads, main, dim)
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.scatter_(-2, at, key_states[..., :main, :])
-        values.scatter_(-2, at, value_states[..., :main, :])
-        if main == new:
-            return keys, values
-        return (torch.cat([keys, key_states[..., main:, :]], dim=-2),
-                torch.cat([values, value_states[..., main:, :]], dim=-2))
+        keys.scatter_(-2, at, new_keys)
+        values.scatter_(-2, at, new_values)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # pragma: no cover - not called by streamspec
         raise NotImplementedError("a static row cache view's lengths are a device tensor (row_lengths)")
