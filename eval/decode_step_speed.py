@@ -35,7 +35,7 @@ from streamspec.reason.tasks import load_problems
 
 
 def _decode_batches(model, tokenizer, prompts, args, eos, device, extra, reference=None):
-    """Decode the prompts in batches of ``--batch`` (left-padded by the tokenizer); returns the
+    """Decode the prompts in batches of ``--batch`` (padded on the tokenizer's side); returns the
     seconds, the tokens and whether every row equals one token a pass (`reference`)."""
     seconds = tokens = 0
     same = True

@@ -122,45 +122,47 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
         graph = _graph_key_batch(model, batch, g, capacity, sampler, compile_backend, fuse_head)
         what = f"a batch of {batch}, chains of {n}, cache of {capacity}"
     checked = False
-    while not all(finished(b) for b in range(batch)):
-        start = time.perf_counter()
-        # Rows that have ended stop storing entries (their passes are discarded); a host-to-
-        # device copy, not a read.
-        live = torch.tensor([not finished(b) for b in range(batch)], device=device)
-        if compiled is not None:
-            from .compiled import _CompileNotice, _checked_once
+    # (the other compiled loops' limit: a process may hold a graph per batch size and capacity)
+    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+        while not all(finished(b) for b in range(batch)):
+            start = time.perf_counter()
+            # Rows that have ended stop storing entries (their passes are discarded); a host-to-
+            # device copy, not a read.
+            live = torch.tensor([not finished(b) for b in range(batch)], device=device)
+            if compiled is not None:
+                from .compiled import _CompileNotice, _checked_once
 
-            with _CompileNotice(graph, what), _checked_once(checked):
-                summary, roots, drafts, row_lengths, next_position = compiled(
-                    model, *cache.buffers, cache.row_lengths, key_real, roots, drafts, next_position, live, sampler,
-                    key, fuse_head)
-            checked = True
-        else:
-            chain = torch.cat([roots[:, None], drafts], dim=1)  # [B, 1+γ]
-            positions = next_position[:, None] + steps
-            ok = row_allowed(prompt_real, cache.row_lengths, cache.width, n)
-            main, streams = model.step(chain, positions, ok, steps.expand(batch, n), cache)
-            summary, roots, drafts = chain_verify(model, main, streams, chain, positions, sampler, None, fuse_head)
-            stored = (summary[:, 0] + 1) * live
-            next_position = next_position + stored
-        summary = read_to_host(summary)
-        accepted_total = 0
-        for b, (d, *tokens) in enumerate(summary):
-            if not finished(b):
-                widths[b] += d + 1
-                accepted = tokens[: d + 1]
-                generated[b].extend(accepted)
-                accepted_total += d + 1
-                if any(t in stop for t in accepted):
-                    ended.add(b)
-        if compiled is not None:
-            cache.count_rows(row_lengths, max(widths))
-        else:
-            cache.advance(stored, max(widths))
-        out.forward_passes += 1
-        out.accepted_per_pass.append(accepted_total)
-        out.nodes_per_pass.append((batch * n, batch * n))
-        out.seconds_per_pass.append(time.perf_counter() - start)
+                with _CompileNotice(graph, what), _checked_once(checked):
+                    summary, roots, drafts, row_lengths, next_position = compiled(
+                        model, *cache.buffers, cache.row_lengths, key_real, roots, drafts, next_position, live, sampler,
+                        key, fuse_head)
+                checked = True
+            else:
+                chain = torch.cat([roots[:, None], drafts], dim=1)  # [B, 1+γ]
+                positions = next_position[:, None] + steps
+                ok = row_allowed(prompt_real, cache.row_lengths, cache.width, n)
+                main, streams = model.step(chain, positions, ok, steps.expand(batch, n), cache)
+                summary, roots, drafts = chain_verify(model, main, streams, chain, positions, sampler, None, fuse_head)
+                stored = (summary[:, 0] + 1) * live
+                next_position = next_position + stored
+            summary = read_to_host(summary)
+            accepted_total = 0
+            for b, (d, *tokens) in enumerate(summary):
+                if not finished(b):
+                    widths[b] += d + 1
+                    accepted = tokens[: d + 1]
+                    generated[b].extend(accepted)
+                    accepted_total += d + 1
+                    if any(t in stop for t in accepted):
+                        ended.add(b)
+            if compiled is not None:
+                cache.count_rows(row_lengths, max(widths))
+            else:
+                cache.advance(stored, max(widths))
+            out.forward_passes += 1
+            out.accepted_per_pass.append(accepted_total)
+            out.nodes_per_pass.append((batch * n, batch * n))
+            out.seconds_per_pass.append(time.perf_counter() - start)
 
     results = [
         torch.tensor(_within_limits(generated[b], 0, max_new_tokens, stop), dtype=input_ids.dtype, device=device)

@@ -13,6 +13,10 @@ to the smallest of a few sizes (`host_tree_sizes`: the stream tree, then one loo
 per size) with a static depth, and its structure and tokens are tensors the compiled
 `host_tree_pass` takes, so one graph per size serves every shape.
 
+A batch (B > 1) compiles its chains (`batch_pass`, `streamspec.decoding.batch.generate_batch`):
+each row writes its entries after its own stored ones in the whole row-cache buffers
+(`StaticRowCacheView`), one graph per batch size and capacity.
+
 On a CPU the graphs run inductor's C++ wrapper (`cpp_wrapper_wanted`): with streamspec's kernels
 as C++ operators (``streamspec_native``), nothing between a pass's call and its kernels is Python.
 """

@@ -109,10 +109,10 @@ class DecodeConfig:
             unpruned).
         verify: where a pass decides what it accepts: ``auto``, ``device`` or ``host``.
         compile: run each draft-tree pass through torch.compile with static shapes (True: the
-            inductor backend, or a backend name); one sequence, unpruned; trees built on the
-            host (lookup, tree_budget) are padded to a few fixed sizes. ``"auto"``: compiled
-            where `compile_pays` says it is faster and the rest of the options allow it (one
-            sequence, no pruning), else eager (`resolved`).
+            inductor backend, or a backend name); unpruned (one sequence or a batch's chains);
+            trees built on the host (lookup, tree_budget) are padded to a few fixed sizes.
+            ``"auto"``: compiled where `compile_pays` says it is faster and the rest of the
+            options allow it (no pruning, no host walk), else eager (`resolved`).
     """
 
     tree_top_k: int | tuple[int, ...] | None = field(default=None, metadata=_option(
@@ -171,7 +171,8 @@ class DecodeConfig:
     # -- derived -------------------------------------------------------------------------------
     def resolved(self, model, batch: int = 1, speculative: bool = True) -> "DecodeConfig":
         """This config with ``compile="auto"`` decided for `model` (`compile_pays` on its device
-        and dtype, where a compiled pass can run: one sequence, no pruning, device verification);
+        and dtype, where a compiled pass can run: no pruning, device verification; a batch's
+        chains as one sequence's trees, except a float32 batch on a CPU, not measured compiled);
         any other config unchanged."""
         if self.compile != "auto":
             return self
@@ -180,6 +181,9 @@ class DecodeConfig:
         except (StopIteration, AttributeError):
             return self.replace(compile=False)
         possible = self.prune_threshold is None and self.verify != "host" and hasattr(model, "num_drafts")
+        # a batch's compiled chains were measured faster in bfloat16 on a CPU (docs/benchmarks.md,
+        # "Tenth session"), not in float32: there a batch stays eager unless compile is asked for
+        possible &= not (batch > 1 and param.device.type == "cpu" and param.dtype == torch.float32)
         return self.replace(compile=bool(possible and compile_pays(param.device, param.dtype, model)))
 
     @property

@@ -93,7 +93,7 @@ def generate(
             shape, sampler setting (temperature, top_p, top_k; not the seed) and capacity compiles
             (seconds to minutes); later ones reuse it. With ``speculative=False`` each one-token
             pass after the prefill is compiled the same way, and so is each pass of a batch (B > 1: one
-            graph per batch size; `streamspec.decoding.batch`). Tokens equal ``compile=False`` (greedy, and
+            graph per batch size and capacity; `streamspec.decoding.batch`). Tokens equal ``compile=False`` (greedy, and
             sampled with the same seed) up to float rounding of the compiled kernels. True uses
             the "inductor" backend (a C++ compiler on a CPU); a backend name ("aot_eager",
             "eager") may be given instead. Refused with ``prune_threshold`` (pruning changes the
@@ -132,7 +132,8 @@ def generate(
 
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         # one LM-head call a pass suits an accelerator; on a CPU, where each call reads the whole
-        # head weight, two calls over the fewest rows (the host walk's choice, compiled or not)
+        # head weight, two calls over the fewest rows: uncompiled with the host walk, and compiled
+        # always (as a compiled single sequence's device step on a CPU)
         fuse_head = not host_walk if backend is None else input_ids.device.type != "cpu"
         return generate_batch(model, input_ids, mask, max_new_tokens, sampler, stop_set(eos_token_id), GenerateOutput,
                               fuse_head=fuse_head, compile_backend=backend)

@@ -276,8 +276,8 @@ def test_batches_compiled_equal_uncompiled(models, arch, side, backend, capfd):
     if (arch, backend) not in _BATCH_GRAPHS:  # this module's first call of the graph: announced
         assert "compiling the decode step (a batch of 3, chains of 4, cache of 256" in err
         _BATCH_GRAPHS.add((arch, backend))
-    else:  # the other padding side: the same graph
-        assert "compiling" not in err
+    else:  # the other padding side: the same graph, not compiled again
+        assert "compiling" not in err and _graphs() == before
     assert out.tokens.tolist() == expected.tokens.tolist() and out.lengths == expected.lengths
     assert out.accepted_per_pass == expected.accepted_per_pass
     assert max(expected.accepted_per_pass[1:]) > 3, "the streams never agreed: the test would not see a wrong commit"
@@ -302,10 +302,46 @@ def test_batches_compiled_with_seeded_sampling(models):
     prompts = [random_ids(1, n, seed=n) for n in (5, 8)]
     ids, mask = _padded(prompts, "left")
     kwargs = dict(temperature=0.8, top_k=30, top_p=0.95, attention_mask=mask)
-    for seed in (0, 3):
+    outputs = []
+    for seed in (0, 3):  # a new seed is a tensor input: no new graph
         expected = generate(model, ids, 16, seed=seed, **kwargs)
+        before = _graphs()
         out = generate(model, ids, 16, seed=seed, compile="aot_eager", **kwargs)
         assert out.tokens.tolist() == expected.tokens.tolist(), seed
+        assert out.accepted_per_pass == expected.accepted_per_pass
+        if seed:
+            assert _graphs() == before
+        outputs.append(out.tokens.tolist())
+    assert outputs[0] != outputs[1]  # the seed is used
+
+
+def test_batches_compiled_with_one_head_call(models):
+    """The compiled batch with the LM head fused into one call a pass (what an accelerator
+    gets) decodes what the uncompiled batch decodes."""
+    from streamspec.decoding.batch import generate_batch
+    from streamspec.decoding.output import GenerateOutput
+
+    model = models["llama"]
+    prompts = [random_ids(1, n, seed=20 + n) for n in (4, 10)]
+    ids, mask = _padded(prompts, "left")
+    for fuse_head in (True, False):
+        runs = [generate_batch(model, ids, mask, 18, Sampler(), set(), GenerateOutput, fuse_head=fuse_head,
+                               compile_backend=backend) for backend in (None, "aot_eager")]
+        assert runs[0].tokens.tolist() == runs[1].tokens.tolist(), fuse_head
+        assert runs[0].accepted_per_pass == runs[1].accepted_per_pass
+    for row, prompt in enumerate(prompts):
+        assert runs[1].tokens[row].tolist() == generate_autoregressive(model, prompt, 18)[0].tolist()
+
+
+def test_batches_compiled_past_the_default_recompile_limit(models):
+    """More graphs of the batch pass than dynamo's default limit of 8 (one per batch size here):
+    each compiles rather than failing (``fullgraph=True`` fails hard at the limit)."""
+    model = models["gpt2"]
+    before = _graphs()
+    for size in range(2, 12):
+        out = generate(model, random_ids(size, 5, seed=size), 3, compile="aot_eager")
+        assert out.tokens.shape == (size, 3)
+    assert _graphs() - before >= 9  # (a size or two may be earlier tests')
 
 
 def test_bad_combinations_are_refused(models):

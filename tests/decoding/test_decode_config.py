@@ -142,6 +142,8 @@ def test_compile_auto_follows_the_rule_where_a_compiled_pass_can_run():
 
     pack_linear_layers(model)  # packed: compiled where streamspec's own kernels run
     assert DecodeConfig(compile="auto").resolved(model).compile is fp32_compiles
+    assert DecodeConfig(compile="auto").resolved(model, batch=2).compile is False  # a float32 batch: eager
+    assert DecodeConfig(compile=True).resolved(model, batch=2).compile is True  # unless asked for
     assert streaming_method(model, 0, DecodeConfig(compile="auto")).config.compile is fp32_compiles
     unpack_linear_layers(model)
     bf16 = _model().to(torch.bfloat16)
