@@ -35,7 +35,7 @@ from .config import DecodeConfig
 from .output import _within_limits, commit_pass, pack_host_read, read_to_host, record_pass, split_host_read
 from .sampling import Sampler
 from .tree import DraftTree, padded_tree
-from .verify import verify_on_device as _verify
+from .verify import chain_verify, verify_on_device as _verify
 
 def _checked_once(checked: bool):
     """Inside a decoding loop, after its first compiled pass ran dynamo's guards in full: the
@@ -301,7 +301,6 @@ def _batch_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[tor
     stored entries and next position after the pass."""
     from ..patch.cache import StaticRowCacheView
     from ..patch.layout import row_allowed
-    from .batch import chain_verify
 
     batch, n = roots.shape[0], 1 + drafts.shape[1]
     capacity = keys[0].shape[-2]

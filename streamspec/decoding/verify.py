@@ -82,3 +82,31 @@ def _walk(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, child
 # The names the loop and the compiled pass use.
 verify_on_device = _verify
 walk_on_host = _walk
+
+
+def chain_verify(model, main, streams, chain, positions, sampler, key, fuse_head: bool):
+    """What a batch pass decides from its hidden states: each row's accepted drafts and the next
+    root and chain. `main` [B, n, h] and `streams` [B, n, γ, h] are the pass's hidden states over
+    `chain` [B, n] (the root, then the drafts) at `positions` [B, n]. Returns the pass's one read
+    [B, 1+n] (each row's accepted count, then its accepted tokens and correction padded with
+    drafts), the next roots [B] and drafts [B, γ]."""
+    batch, n = chain.shape
+    g = n - 1
+    rows = torch.arange(batch, device=chain.device)
+    steps = torch.arange(n, device=chain.device)
+    # Every row's choice at every node (a draw per node when sampling: only those on the
+    # accepted path are used), and the stream rows of each row's deepest accepted node.
+    if fuse_head:
+        logits = model.head(torch.cat([main, streams.flatten(1, 2)], dim=1))  # [B, n + n·γ, V]
+        choice = sampler(logits[:, :n], positions + 1, rows[:, None], key=key)  # [B, 1+γ]
+    else:
+        choice = sampler(model.head(main), positions + 1, rows[:, None], key=key)
+    depth = (chain[:, 1:] == choice[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B] accepted drafts
+    roots = choice.gather(1, depth[:, None])[:, 0]
+    new = torch.where(steps[:n - 1] == depth[:, None], roots[:, None], chain[:, 1:])  # [B, γ]: drafts, then the correction
+    new = torch.cat([new, roots[:, None]], dim=1)
+    if fuse_head:
+        drafts = logits[:, n:].unflatten(1, (n, g)).argmax(-1)[rows, depth]  # [B, γ]: the deepest node's streams
+    else:
+        drafts = model.head(streams[rows, depth]).argmax(-1)
+    return torch.cat([depth[:, None], new], dim=1), roots, drafts
