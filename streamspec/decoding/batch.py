@@ -22,12 +22,6 @@ from .verify import chain_verify
 from ..patch.layout import causal, last_real_positions, main_allowed, position_ids_from_mask, row_allowed
 
 
-def _graph_key_batch(model, batch, streams, capacity, sampler, backend, fuse_head):
-    from .compiled import _graph_key
-
-    return _graph_key(model, ("batch", batch, streams, fuse_head), capacity, sampler, backend)
-
-
 @torch.no_grad()
 def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, stop, output_cls, fuse_head: bool = True,
                    compile_backend: str | None = None):
@@ -86,25 +80,26 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
 
     compiled = None
     if compile_backend is not None:
-        from .compiled import _compiled_batch_pass
+        from .compiled import _CompileNotice, _checked_once, _compiled_batch_pass, _graph_key
 
         compiled = _compiled_batch_pass(compile_backend, device.type)
         key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
         capacity = cache.capacity
         key_real = torch.cat([prompt_real, prompt_real.new_ones(batch, capacity - length)], dim=1)  # [B, C]
-        graph = _graph_key_batch(model, batch, g, capacity, sampler, compile_backend, fuse_head)
+        graph = _graph_key(model, ("batch", batch, g, fuse_head), capacity, sampler, compile_backend)
         what = f"a batch of {batch}, chains of {n}, cache of {capacity}"
     checked = False
+    live_rows, live = None, None
     # (the other compiled loops' limit: a process may hold a graph per batch size and capacity)
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         while not all(finished(b) for b in range(batch)):
             start = time.perf_counter()
             # Rows that have ended stop storing entries (their passes are discarded); a host-to-
-            # device copy, not a read.
-            live = torch.tensor([not finished(b) for b in range(batch)], device=device)
+            # device copy, not a read, made again only when a row has ended.
+            rows_now = tuple(not finished(b) for b in range(batch))
+            if rows_now != live_rows:
+                live_rows, live = rows_now, torch.tensor(rows_now, device=device)
             if compiled is not None:
-                from .compiled import _CompileNotice, _checked_once
-
                 with _CompileNotice(graph, what), _checked_once(checked):
                     summary, roots, drafts, row_lengths, next_position = compiled(
                         model, *cache.buffers, cache.row_lengths, key_real, roots, drafts, next_position, live, sampler,
