@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="held-out questions to benchmark the demo's own few-step fine-tune on")
     demo.add_argument("--out", default="runs/demo", help="folder for the checkpoint and the benchmark files")
     demo.add_argument("--intro-only", action="store_true", help="only show the streams on the default model")
+    add_decode_arguments(demo, defaults=CLI_DECODE_DEFAULTS, only=("compile",))
     add_device_args(demo)
     sub.add_parser("prepare", help="convert the default model into the cache (done on first use otherwise)")
     train = sub.add_parser("train", help="fine-tune from a YAML recipe")
@@ -236,8 +237,7 @@ def _run(args) -> int:
             introduce(args.example, device=args.device, dtype=args.dtype)
         else:
             run_demo(steps=args.steps, limit=args.limit, fine_tune_limit=args.fine_tune_limit, out_dir=args.out,
-                     example_index=args.example,
-                     device=args.device, dtype=args.dtype)
+                     example_index=args.example, device=args.device, dtype=args.dtype, compile=args.compile)
     elif args.command == "train":
         from .training.recipe import load_recipe
         from .training.trainer import run_training

@@ -87,6 +87,7 @@ def run_demo(
     device: str = "auto",
     dtype: str = "auto",
     fine_tune_limit: int = 3,
+    compile: bool | str = "auto",
 ) -> dict:
     """The main job: introduce, fine-tune `steps` steps (validated on 8 held-out examples),
     export, benchmark the export on `fine_tune_limit` held-out questions (it shows the pipeline
@@ -99,11 +100,19 @@ def run_demo(
             streams are for SmolLM2: that step is then skipped).
         device / dtype: where and in what precision the introduction and the benchmark run
             (`streamspec.loading`); the fine-tune runs where the Trainer puts it.
+        compile: how the shipped streams' rows decode (`DecodeConfig.compile`: ``"auto"``, compiled
+            where `streamspec.decoding.config.compile_pays` says it is faster, as every command
+            decodes; True, False or a backend). Their graphs' first calls compile (announced on
+            stderr, ~1 min each on a CPU; a later run reads inductor's cache) in an untimed
+            warm-up. The few-step fine-tune's rows decode eager: three questions would not repay
+            a compile.
     """
+    from .decoding.config import DecodeConfig
     from .evaluation.benchmark import DEFAULT_BUDGET, DEFAULT_LOOKUP, run_benchmark
     from .training.recipe import load_recipe
     from .training.trainer import run_training
 
+    shipped_decode = DecodeConfig(compile=compile)  # a bad value fails here, before any work
     if steps < 1 or limit < 1 or fine_tune_limit < 1:
         raise ValueError(f"steps, limit and fine_tune_limit must be >= 1, got steps={steps}, limit={limit}, "
                          f"fine_tune_limit={fine_tune_limit}")
@@ -138,10 +147,11 @@ def run_demo(
         print(f"\n[3/3] the shipped streams ({folder.name}: self-distilled lossless streams for SmolLM2, trained by "
               "recipes/smollm2-135m/sql_streams_offline_r64.yaml, then sql_streams_offline_wide.yaml and "
               f"sql_streams_offline_wide_more.yaml) on {limit} questions; the base model's outputs, "
-              "token for token ...")
+              "token for token" + (" (rows compiled where it pays: their first calls compile, untimed)"
+                                   if compile else "") + " ...")
         shipped = run_benchmark(str(folder), task="sql", limit=limit, tree_top_k=SHIPPED_TREE, thresholds=(),
                                 lookup=DEFAULT_LOOKUP, tree_budget=DEFAULT_BUDGET, max_new_tokens=max_new_tokens,
-                                out_dir=str(out / "shipped"), device=device, dtype=dtype)
+                                out_dir=str(out / "shipped"), device=device, dtype=dtype, decode=shipped_decode)
     print("\ndocs/benchmarks.md has the figures of longer runs (more questions, the Medusa peer, other schema "
           "styles) and what limits speculative decoding on a CPU.")
     return {"fine_tune": result, "shipped": shipped}

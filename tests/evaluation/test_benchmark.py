@@ -164,6 +164,34 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
         run_demo(fine_tune_limit=0)
 
 
+def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
+    """`streamspec demo --compile` reaches the shipped streams' benchmark (default ``auto``, as
+    every decoding command), the few-step fine-tune's rows stay eager, and a bad value is refused
+    before any work. The fine-tune and the benchmarks are replaced by recorders here: the real
+    ones are what test_demo_trains_exports_and_benchmarks and `make demo` run."""
+    import streamspec.demo as demo
+    import streamspec.evaluation.benchmark as benchmark
+    import streamspec.training.trainer as trainer
+    from streamspec.cli import build_parser
+
+    calls = []
+    monkeypatch.setattr(demo, "introduce", lambda *a, **k: None)
+    monkeypatch.setattr(trainer, "run_training", lambda recipe: {"export": str(tmp_path), "wall_seconds": 0,
+                                                                 "seconds_per_step": 0})
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda checkpoint, **k: calls.append(k.get("decode")) or {})
+    demo.run_demo(steps=1, limit=1, fine_tune_limit=1, out_dir=tmp_path)
+    assert calls[0] is None and calls[1].compile == "auto"
+    calls.clear()
+    demo.run_demo(steps=1, limit=1, fine_tune_limit=1, out_dir=tmp_path, compile=False)
+    assert calls[1].compile is False
+    with pytest.raises(ValueError, match="compile must be"):
+        demo.run_demo(compile="fast")
+    assert build_parser().parse_args(["demo"]).compile == "auto"
+    assert build_parser().parse_args(["demo", "--compile", "off"]).compile is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--compile", "fast"])
+
+
 @pytest.mark.parametrize("name, options", [
     ("benchmark.py", ("--checkpoint", "--task", "--baseline", "--sweep", "--data")),
     ("decode_crr.py", ("--checkpoint", "--task", "--split", "--limit", "--trees", "--pruned")),
