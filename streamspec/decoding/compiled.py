@@ -19,6 +19,9 @@ each row writes its entries after its own stored ones in the whole row-cache buf
 
 On a CPU the graphs run inductor's C++ wrapper (`cpp_wrapper_wanted`): with streamspec's kernels
 as C++ operators (``streamspec_native``), nothing between a pass's call and its kernels is Python.
+On CUDA they replay as CUDA graphs (`cuda_graphs_wanted`, `GraphedStep`: inductor's
+``reduce-overhead`` mode, the cache buffers static addresses, the outputs copied out of the
+graphs' pool).
 """
 
 from __future__ import annotations
@@ -393,6 +396,45 @@ def cpp_wrapper_wanted(backend: str, device_type: str | None) -> bool:
     return backend == "inductor" and device_type == "cpu" and not off
 
 
+def cuda_graphs_wanted(backend: str, device_type: str | None) -> bool:
+    """Whether a compiled pass replays as a CUDA graph: inductor on CUDA (torch's
+    ``mode="reduce-overhead"``: the pass's hundreds of kernel launches become one graph launch,
+    the batch-1 step being launch-bound), unless ``STREAMSPEC_CUDA_GRAPHS=0``. See `GraphedStep`
+    for what the loops' calls need for it."""
+    off = os.environ.get("STREAMSPEC_CUDA_GRAPHS", "1").strip().lower() in ("0", "false", "off", "no")
+    return backend == "inductor" and device_type == "cuda" and not off
+
+
+class GraphedStep:
+    """A compiled pass called the way CUDA graphs (torch's CUDAGraph trees) need, by every decoding
+    loop alike:
+
+    - the cache buffers (every tensor in a list argument: the loops pass the buffers as lists)
+      are marked static addresses (``torch._dynamo.mark_static_address``, unguarded): the pass
+      writes its entries into them in place, and a graph replays in-place writes only into
+      inputs whose address it may assume (others make inductor skip the graphs). A generation's
+      new buffers re-record the graph (no recompile);
+    - each call starts a new step (``torch.compiler.cudagraph_mark_step_begin``): the previous
+      pass's outputs are then free to be overwritten by this replay;
+    - so the outputs are copied out of the graph's memory pool (small tensors: tokens, a summary,
+      candidates) before the loop keeps them or feeds them back as the next pass's inputs."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        for arg in args:
+            if isinstance(arg, (list, tuple)):
+                for t in arg:
+                    if isinstance(t, torch.Tensor) and getattr(t, "_dynamo_static_input_type", None) is None:
+                        torch._dynamo.mark_static_address(t, guard=False)
+        torch.compiler.cudagraph_mark_step_begin()
+        out = self.compiled(*args)
+        if isinstance(out, torch.Tensor):
+            return out.clone()
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out)
+
+
 def _compile(fn, backend: str, device_type: str | None):
     options = None
     if cpp_wrapper_wanted(backend, device_type):
@@ -401,7 +443,10 @@ def _compile(fn, backend: str, device_type: str | None):
         options = {"cpp_wrapper": True}
         if hasattr(inductor_config, "cpp_wrapper_build_separate"):  # (recent torch versions)
             options["cpp_wrapper_build_separate"] = True
-    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True, options=options)
+    if not cuda_graphs_wanted(backend, device_type):
+        return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True, options=options)
+    mode = "reduce-overhead" if backend == "inductor" else None  # (another backend: the calls' protocol alone)
+    return GraphedStep(torch.compile(fn, backend=backend, dynamic=False, fullgraph=True, mode=mode))
 
 
 def _compile_backend(compile: bool | str) -> str | None:

@@ -357,3 +357,73 @@ def test_bad_combinations_are_refused(models):
         DecodingSession(model, prune_threshold=0.1, compile=True)
     with pytest.raises(ValueError, match="streamed models"):
         DecodingSession(make_model("llama"), compile=True)
+
+
+# -- CUDA graphs ------------------------------------------------------------------------------
+def _every_compiled_loop(model, compile, device="cpu"):
+    """The outputs of each compiled loop (one token a pass, a fixed tree, host-built trees with
+    lookup branches, a batch's chains) with `compile`."""
+    from streamspec.decoding.lookup import PromptLookup
+
+    ids, repetitive = random_ids(1, 9, seed=1).to(device), _repetitive_ids(seed=2).to(device)
+    prompts = [random_ids(1, n, seed=n) for n in (3, 9, 6)]
+    batch, mask = (t.to(device) for t in _padded(prompts, "left"))
+    return [generate(model, ids, 16, speculative=False, compile=compile),
+            generate(model, ids, 16, tree_top_k=(2, 1, 1), compile=compile),
+            generate(model, repetitive, 16, tree_top_k=(2, 1, 1), lookup=PromptLookup(6, 2), compile=compile),
+            generate(model, batch, 16, attention_mask=mask, compile=compile)]
+
+
+def _tokens(outputs):
+    return [out.tokens.tolist() for out in outputs]
+
+
+def _fresh_graphs():
+    from streamspec.decoding import compiled
+
+    for fn in (compiled._compiled_pass, compiled._compiled_host_pass, compiled._compiled_token_pass,
+               compiled._compiled_batch_pass):
+        fn.cache_clear()
+
+
+def test_cuda_graph_protocol_on_every_compiled_loop(models, monkeypatch):
+    """The calls CUDA graphs need (`GraphedStep`: the cache buffers static addresses, a new step
+    each call, the outputs copied out of the graphs' pool) decode what the uncompiled loops decode
+    on every compiled path. Checked here on a CPU with the aot_eager backend (no graphs to replay;
+    `test_cuda_graphs_replay_every_compiled_loop` replays them on a GPU)."""
+    from streamspec.decoding import compiled
+
+    model = models["gpt2"]
+    expected = _tokens(_every_compiled_loop(model, False))
+    steps = []
+    begin = torch.compiler.cudagraph_mark_step_begin
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1) or begin())
+    monkeypatch.setattr(compiled, "cuda_graphs_wanted", lambda backend, device_type: True)
+    _fresh_graphs()
+    try:
+        outputs = _every_compiled_loop(model, "aot_eager")
+    finally:
+        _fresh_graphs()  # the other tests' graphs without the protocol
+    assert _tokens(outputs) == expected
+    assert len(steps) >= sum(out.forward_passes - 1 for out in outputs)  # every pass after a prefill began a step
+    monkeypatch.undo()
+    assert not compiled.cuda_graphs_wanted("inductor", "cpu") and not compiled.cuda_graphs_wanted("aot_eager", "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_replay_every_compiled_loop(monkeypatch):
+    """On a GPU, compile=True replays each compiled loop as CUDA graphs (inductor's
+    reduce-overhead mode: no graph skipped for the cache buffers' in-place writes or anything
+    else), with the uncompiled loops' tokens in float32; STREAMSPEC_CUDA_GRAPHS=0 turns it off."""
+    from streamspec.decoding import compiled
+
+    model = _streamed("llama").cuda()
+    assert compiled.cuda_graphs_wanted("inductor", "cuda")
+    expected = _tokens(_every_compiled_loop(model, False, "cuda"))
+    skips = counters["inductor"]["cudagraph_skips"]
+    _fresh_graphs()
+    assert _tokens(_every_compiled_loop(model, True, "cuda")) == expected
+    assert counters["inductor"]["cudagraph_skips"] == skips, "inductor skipped CUDA graphs for a compiled pass"
+    assert isinstance(compiled._compiled_pass("inductor", "cuda"), compiled.GraphedStep)
+    monkeypatch.setenv("STREAMSPEC_CUDA_GRAPHS", "0")
+    assert not compiled.cuda_graphs_wanted("inductor", "cuda")
