@@ -18,6 +18,7 @@ import torch
 
 from .config import StreamConfig
 from .data import load_spider, sql_prompt
+from .decoding.lookup import PromptLookup
 from .patch.layout import position_ids_from_mask
 from .patch.model import add_streams
 
@@ -73,8 +74,11 @@ def introduce(example_index: int = 0, device: str = "auto", dtype: str = "auto")
 
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m" / "sql.yaml"
-# The shipped streams' tree: the shape chosen on validation prompts for them (docs/benchmarks.md).
+# The shipped streams' tree and lookup branches: the settings chosen on validation prompts for them
+# (docs/benchmarks.md). One branch of 8 tokens a pass: compiled, two padded sizes (7 and 15 nodes)
+# where two branches would add a third (23), another graph to compile and a pass of 23 rows.
 SHIPPED_TREE = (2, 1, 1)
+SHIPPED_LOOKUP = PromptLookup(8, 1, 3)
 
 
 def run_demo(
@@ -108,7 +112,7 @@ def run_demo(
             a compile.
     """
     from .decoding.config import DecodeConfig
-    from .evaluation.benchmark import DEFAULT_BUDGET, DEFAULT_LOOKUP, run_benchmark
+    from .evaluation.benchmark import DEFAULT_BUDGET, run_benchmark
     from .training.recipe import load_recipe
     from .training.trainer import run_training
 
@@ -136,7 +140,7 @@ def run_demo(
     # Fixed settings (the tree, the lookup; no pruning or confidence rows): choosing them on
     # validation prompts would add minutes.
     result = run_benchmark(summary["export"], task="sql", limit=fine_tune_limit, tree_top_k=SHIPPED_TREE, thresholds=(),
-                           lookup=DEFAULT_LOOKUP, tree_budget=None, max_new_tokens=max_new_tokens,
+                           lookup=SHIPPED_LOOKUP, tree_budget=None, max_new_tokens=max_new_tokens,
                            out_dir=str(out / "benchmark"), device=device, dtype=dtype)
     print(f"\nA {steps}-step fine-tune barely trains the streams. Trained ones ship with streamspec:")
     shipped = None
@@ -150,7 +154,7 @@ def run_demo(
               "token for token" + (" (rows compiled where it pays: their first calls compile, untimed)"
                                    if compile else "") + " ...")
         shipped = run_benchmark(str(folder), task="sql", limit=limit, tree_top_k=SHIPPED_TREE, thresholds=(),
-                                lookup=DEFAULT_LOOKUP, tree_budget=DEFAULT_BUDGET, max_new_tokens=max_new_tokens,
+                                lookup=SHIPPED_LOOKUP, tree_budget=DEFAULT_BUDGET, max_new_tokens=max_new_tokens,
                                 out_dir=str(out / "shipped"), device=device, dtype=dtype, decode=shipped_decode)
     print("\ndocs/benchmarks.md has the figures of longer runs (more questions, the Medusa peer, other schema "
           "styles) and what limits speculative decoding on a CPU.")

@@ -178,9 +178,13 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "introduce", lambda *a, **k: None)
     monkeypatch.setattr(trainer, "run_training", lambda recipe: {"export": str(tmp_path), "wall_seconds": 0,
                                                                  "seconds_per_step": 0})
-    monkeypatch.setattr(benchmark, "run_benchmark", lambda checkpoint, **k: calls.append(k.get("decode")) or {})
+    lookups = []
+    monkeypatch.setattr(benchmark, "run_benchmark",
+                        lambda checkpoint, **k: calls.append(k.get("decode")) or lookups.append(k["lookup"]) or {})
     demo.run_demo(steps=1, limit=1, fine_tune_limit=1, out_dir=tmp_path)
     assert calls[0] is None and calls[1].compile == "auto"
+    # the shipped streams' lookup: one branch a pass, two padded sizes to compile (7 and 15 nodes)
+    assert lookups[1].matches == 1 and lookups[1].tokens == 8
     calls.clear()
     demo.run_demo(steps=1, limit=1, fine_tune_limit=1, out_dir=tmp_path, compile=False)
     assert calls[1].compile is False
