@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--samples", type=int, default=1, help="completions per prompt (>1 needs --temperature)")
     dist.add_argument("--temperature", type=float, default=0.0)
     dist.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of sampled completions")
+    dist.add_argument("--with-greedy", action="store_true",
+                      help="with --temperature > 0: each prompt's greedy completion too, beside the --samples sampled ones")
     dist.add_argument("--max-new-tokens", type=int, default=160)
     dist.add_argument("--max-prompt-tokens", type=int, default=None,
                       help="skip longer prompts (keep within the recipe's data.max_length)")
@@ -258,7 +260,8 @@ def _run(args) -> int:
         from .training.distill import build_distilled_set
 
         settings = DistillArgs(enabled=True, sources=args.sources, questions_per_database=args.questions_per_database,
-                               samples=args.samples, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                               samples=args.samples, temperature=args.temperature, top_p=args.top_p,
+                               with_greedy=args.with_greedy, max_new_tokens=args.max_new_tokens,
                                max_prompt_tokens=args.max_prompt_tokens,
                                batch_size=args.batch_size, seed=args.seed, decoder=args.decoder, server=args.server,
                                server_threads=args.server_threads, server_parallel=args.server_parallel)

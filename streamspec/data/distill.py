@@ -38,6 +38,9 @@ class DistillArgs:
     sources: list[str] = field(default_factory=lambda: ["train"])
     questions_per_database: int = 4  # unused_databases: template questions per schema
     samples: int = 1  # completions per prompt (>1 needs temperature > 0)
+    # with temperature > 0: each prompt's greedy completion too (sample 0), the `samples`
+    # sampled ones after it (samples 1..samples): the model's own text and varied text beside it
+    with_greedy: bool = False
     temperature: float = 0.0
     top_p: float = 1.0  # nucleus sampling of the sampled completions
     max_new_tokens: int = 160
@@ -66,6 +69,9 @@ class DistillArgs:
             raise ValueError("data.distill.samples > 1 needs data.distill.temperature > 0 (greedy completions repeat)")
         if self.temperature < 0:
             raise ValueError(f"data.distill.temperature must be >= 0, got {self.temperature!r}")
+        if self.with_greedy and self.temperature <= 0:
+            raise ValueError("data.distill.with_greedy adds the greedy completion to sampled ones: it needs "
+                             "data.distill.temperature > 0 (greedy completions alone are the default)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"data.distill.top_p must be in (0, 1], got {self.top_p!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -75,6 +81,14 @@ class DistillArgs:
         for name in ("questions_per_database", "max_new_tokens", "batch_size", "server_threads", "server_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.distill.{name} must be >= 1, got {getattr(self, name)!r}")
+
+    def plan(self) -> list[tuple[int, float, float]]:
+        """Each prompt's completions: (sample index, temperature, top_p); the greedy one first
+        with `with_greedy`."""
+        sampled = [(s, self.temperature, self.top_p) for s in range(self.samples)]
+        if not self.with_greedy:
+            return sampled
+        return [(0, 0.0, 1.0)] + [(s + 1, t, p) for s, t, p in sampled]
 
     def check_task(self, task: str) -> None:
         allowed = SOURCES.get(task)
@@ -90,6 +104,8 @@ class DistillArgs:
         settings = {k: v for k, v in asdict(self).items() if k in keep}
         if self.top_p != 1.0:
             settings["top_p"] = self.top_p
+        if self.with_greedy:
+            settings["with_greedy"] = True
         if self.server is not None:  # another engine's text is another set
             settings["server"] = self.server
         return settings

@@ -68,7 +68,7 @@ def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | No
         _drop_partial_line(path)
     done = {r["key"] for r in read_distilled(path)} if path.is_file() else set()
     tokenizer = _tokenizer(model)
-    encoded = [(prompt_ids(tokenizer, r)[0], r, s) for r in rows for s in range(args.samples)]
+    encoded = [(prompt_ids(tokenizer, r)[0], r, s) for r in rows for s, _, _ in args.plan()]
     if args.max_prompt_tokens is not None:
         kept = [e for e in encoded if len(e[0]) <= args.max_prompt_tokens]
         if len(kept) < len(encoded):
@@ -107,10 +107,7 @@ def _build(model: str, task: str, args: DistillArgs, path: Path, limit: int | No
 
 def _decode_with_model(model: str, args: DistillArgs, tokenizer, todo, write, handle, bar, device, dtype) -> int:
     """Greedy (or sampled) completions of `todo` with streamspec's own batch decoder."""
-    import torch
-
     from ..config import StreamConfig
-    from ..decoding.generate import generate
     from ..loading import load_for_inference
     from ..patch.model import add_streams
 
@@ -124,8 +121,24 @@ def _decode_with_model(model: str, args: DistillArgs, tokenizer, todo, write, ha
             raise ValueError(f"decoder {args.decoder} must hold lossless streams on {model} (it names base {base})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     written = 0
+    how = {s: (t, p) for s, t, p in args.plan()}
+    # a batch decodes with one sampler: the greedy completions (with_greedy) apart from the sampled
+    groups = [[e for e in todo if how[e[2]][0] == 0], [e for e in todo if how[e[2]][0] != 0]]
+    for group in groups:
+        written += _decode_group(streamed, loaded.device, args, tokenizer, pad, group, how, write, handle, bar)
+    return written
+
+
+def _decode_group(streamed, device, args: DistillArgs, tokenizer, pad: int, todo, how, write, handle, bar) -> int:
+    """`_decode_with_model` for completions of one sampler's settings."""
+    import torch
+
+    from ..decoding.generate import generate
+
+    written = 0
     for i in range(0, len(todo), args.batch_size):
         chunk = todo[i:i + args.batch_size]
+        temperature, top_p = how[chunk[0][2]]
         width = max(len(ids) for ids, _, _ in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -135,8 +148,8 @@ def _decode_with_model(model: str, args: DistillArgs, tokenizer, todo, write, ha
         seed = args.seed * 1_000_003 + i
         if len(chunk) == 1:
             ids, mask = ids[:, mask[0].bool()], None
-        result = generate(streamed, ids.to(loaded.device), args.max_new_tokens, attention_mask=None if mask is None
-                          else mask.to(loaded.device), temperature=args.temperature, top_p=args.top_p,
+        result = generate(streamed, ids.to(device), args.max_new_tokens, attention_mask=None if mask is None
+                          else mask.to(device), temperature=temperature, top_p=top_p,
                           seed=seed, eos_token_id=tokenizer.eos_token_id, tree_top_k=1)
         lengths = result.lengths if getattr(result, "lengths", None) is not None else [result.tokens.shape[1]]
         for j, (_, row, sample) in enumerate(chunk):
@@ -180,8 +193,10 @@ def _decode_on_server(args: DistillArgs, tokenizer, todo, write, handle, bar) ->
     written = 0
     with engine as server, ThreadPoolExecutor(args.server_parallel) as pool:
         url = server.url if server is not None else args.server
-        futures = {pool.submit(server_completion, url, [int(t) for t in prompt], args.max_new_tokens, args.temperature,
-                               args.seed * 1_000_003 + i, args.top_p): (row, sample) for i, (prompt, row, sample) in enumerate(todo)}
+        how = {s: (t, p) for s, t, p in args.plan()}
+        futures = {pool.submit(server_completion, url, [int(t) for t in prompt], args.max_new_tokens, how[sample][0],
+                               args.seed * 1_000_003 + i, how[sample][1]): (row, sample)
+                   for i, (prompt, row, sample) in enumerate(todo)}
         for future in as_completed(futures):
             row, sample = futures[future]
             text, ended = future.result()
@@ -241,7 +256,7 @@ def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list
         return labelled_rows(task, "validation")
     rows = read_distilled(build_distilled_set(model, task, args))
     wanted = {row_key(r, s) for r in distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
-              for s in range(args.samples)}
+              for s, _, _ in args.plan()}
     stale = [r for r in rows if r["key"] not in wanted]
     if stale:  # prompts the settings no longer make (templates changed since the set was started)
         logger.warning("distilled set: %d rows left out, their prompts are no longer in the set's sources", len(stale))
@@ -262,7 +277,7 @@ def server_agreement(model: str, task: str, args: DistillArgs, count: int = 20, 
 
     if not args.server:
         raise ValueError("server_agreement compares a server with the model: set args.server")
-    greedy = dataclasses.replace(args, temperature=0.0, top_p=1.0, samples=1)
+    greedy = dataclasses.replace(args, temperature=0.0, top_p=1.0, samples=1, with_greedy=False)
     rows = distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
     tokenizer = _tokenizer(model)
     todo = [(prompt_ids(tokenizer, r)[0], r, 0) for r in rows]

@@ -66,6 +66,21 @@ def test_distill_on_a_llama_cpp_server_resumes_and_is_its_own_set(tmp_path):
         build_distilled_set(model, "sql", own, out=out, limit=3, progress=False)
 
 
+def test_greedy_beside_sampled_completions_on_a_server(tmp_path):
+    """with_greedy on a server: sample 0 is the server's greedy text (as a greedy-only set of the
+    same server has it), sample 1 a draw at the set's temperature."""
+    model = "streamspec:SmolLM2-135M-Instruct"
+    greedy = DistillArgs(enabled=True, sources=["validation"], max_new_tokens=8, server=SERVER, server_parallel=1)
+    mixed = DistillArgs(enabled=True, sources=["validation"], max_new_tokens=8, server=SERVER, server_parallel=1,
+                        samples=1, temperature=1.5, with_greedy=True)
+    build_distilled_set(model, "sql", greedy, out=tmp_path / "greedy.jsonl", limit=1, progress=False)
+    build_distilled_set(model, "sql", mixed, out=tmp_path / "mixed.jsonl", limit=1, progress=False)
+    (only,) = read_distilled(tmp_path / "greedy.jsonl")
+    rows = {r["sample"]: r for r in read_distilled(tmp_path / "mixed.jsonl")}
+    assert sorted(rows) == [0, 1] and rows[0]["completion"] == only["completion"]
+    assert rows[1]["completion"] != only["completion"], "a draw at temperature 1.5 repeated the greedy text"
+
+
 def test_agreement_with_the_model_is_reported():
     from streamspec.training.distill import server_agreement
 

@@ -153,6 +153,7 @@ def test_unknown_task_or_source_is_refused_naming_what_is_allowed():
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(batch_size=0), "batch_size"),
     (dict(max_prompt_tokens=0), "max_prompt_tokens"),
+    (dict(with_greedy=True), "with_greedy"),
 ])
 def test_bad_settings_are_refused(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -230,7 +231,8 @@ def test_distilled_set_path_follows_the_settings(tiny_dir, tmp_path, monkeypatch
     for same in (dict(batch_size=1), dict(enabled=False), dict(decoder="some/checkpoint")):
         assert distilled_set_path("some/model", "sql", DistillArgs(**same)) == path, same
     changed = [dict(sources=["train", "validation"]), dict(questions_per_database=5), dict(samples=2, temperature=1.0),
-               dict(temperature=0.5), dict(max_new_tokens=10), dict(max_prompt_tokens=100), dict(seed=1)]
+               dict(temperature=0.5), dict(max_new_tokens=10), dict(max_prompt_tokens=100), dict(seed=1),
+               dict(samples=2, temperature=1.0, with_greedy=True)]
     paths = {distilled_set_path("some/model", "sql", DistillArgs(**c)) for c in changed}
     assert len(paths) == len(changed) and path not in paths
     assert distilled_set_path("other/model", "sql", base) != path
@@ -335,6 +337,27 @@ def test_sampled_sets_are_seeded_and_hold_every_sample(tiny_dir, tmp_path):
     assert {r["completion"] for r in read_distilled(tmp_path / "c.jsonl")} != {r["completion"] for r in sets[0].values()}
 
 
+def test_greedy_beside_sampled_completions(tiny_dir, tmp_path):
+    """with_greedy: each prompt's greedy completion (sample 0: plain transformers greedy text)
+    and its sampled ones after it (samples 1..n: the same draws as a sampled-only set's 0..n-1
+    are not promised, but they are seeded), in one set, decoded by the model here (on a server:
+    tests/foundation/test_llama_cpp.py)."""
+    args = DistillArgs(enabled=True, sources=["validation"], samples=2, temperature=1.0, with_greedy=True,
+                       max_new_tokens=5, batch_size=4)
+    assert args.plan() == [(0, 0.0, 1.0), (1, 1.0, 1.0), (2, 1.0, 1.0)]
+    out = tmp_path / "mixed.jsonl"
+    build_distilled_set(str(tiny_dir), "sql", args, out=out, limit=2, progress=False, device="cpu")
+    rows = read_distilled(out)
+    assert sorted(r["sample"] for r in rows) == [0, 0, 1, 1, 2, 2]
+    _check_greedy_set(str(tiny_dir), [r for r in rows if r["sample"] == 0], 5)
+    for prompt in {r["prompt"] for r in rows}:
+        sampled = [r["completion"] for r in rows if r["prompt"] == prompt and r["sample"] > 0]
+        assert len(set(sampled)) == 2, "two draws at temperature 1 over 49k tokens must differ"
+    again = tmp_path / "again.jsonl"
+    build_distilled_set(str(tiny_dir), "sql", args, out=again, limit=2, progress=False, device="cpu")
+    assert {r["key"]: r["completion"] for r in read_distilled(again)} == {r["key"]: r["completion"] for r in rows}
+
+
 def test_long_prompts_are_skipped(tiny_dir, tmp_path):
     from streamspec.assets import load_tokenizer
 
@@ -387,7 +410,7 @@ def test_distill_help_lists_the_flags(capsys):
         main(["distill", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--model", "--task", "--sources", "--questions-per-database", "--samples", "--temperature",
+    for flag in ("--model", "--task", "--sources", "--questions-per-database", "--samples", "--temperature", "--with-greedy",
                  "--max-new-tokens", "--max-prompt-tokens", "--batch-size", "--seed", "--limit", "--decoder", "--out",
                  "--device", "--dtype"):
         assert flag in text, flag
