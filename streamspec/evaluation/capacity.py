@@ -52,7 +52,7 @@ def describe(recipe: dict) -> str:
             f"init={init}, lr={t['learning_rate']:g}/{t.get('stream_learning_rate') or t['learning_rate']:g}")
 
 
-def held_out(eval_folder: Path, medusa: bool) -> dict | None:
+def held_out(eval_folder: Path, medusa: bool) -> dict:
     """The chain's (or the Medusa row's) CRR, ms a pass and speedup from a `streamspec eval` folder."""
     path = Path(eval_folder) / "benchmark.json"
     if not path.is_file():
