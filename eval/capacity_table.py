@@ -7,6 +7,7 @@ chain's (or Medusa row's) CRR, ms a pass and speedup on held-out prompts.
 """
 
 import argparse
+import sys
 
 from streamspec.evaluation.capacity import capacity_table
 
@@ -18,7 +19,10 @@ def main() -> None:
                         help="each run's `streamspec eval --out` folder, in the runs' order ('-' for none)")
     args = parser.parse_args()
     evals = None if args.evals is None else [None if e == "-" else e for e in args.evals]
-    print(capacity_table(args.runs, evals))
+    try:
+        print(capacity_table(args.runs, evals))
+    except (FileNotFoundError, ValueError) as err:  # a folder that is not a finished run or eval
+        sys.exit(f"capacity_table: error: {err}")
 
 
 if __name__ == "__main__":

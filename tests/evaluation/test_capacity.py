@@ -51,6 +51,9 @@ def test_table_of_a_stream_run_and_its_medusa_peer(tiny_dir, tmp_path):
                             str(tmp_path / "medusa"), "--evals", str(tmp_path / "eval-ns2"), "-"],
                            capture_output=True, text=True, check=True).stdout
     assert shown.splitlines()[2] == lines[2] and shown.splitlines()[3].endswith("| – | – | – |")
+    failed = subprocess.run([sys.executable, str(ROOT / "eval" / "capacity_table.py"), str(tmp_path / "ns2"),
+                             "--evals", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert failed.returncode != 0 and "no benchmark.json in" in failed.stderr and "Traceback" not in failed.stderr
 
 
 def test_bad_inputs_are_named(tmp_path):
