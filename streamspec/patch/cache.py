@@ -151,6 +151,12 @@ class StaticCacheView:
         raise NotImplementedError("a static cache view's length is a device tensor (past)")
 
 
+def row_slots(row_lengths: torch.Tensor, count: int) -> torch.Tensor:
+    """Where each row of a batch cache writes its next `count` entries: right after its own
+    `row_lengths` [B] stored ones, as a [B, 1, count, 1] index for ``scatter_`` along the entries."""
+    return (row_lengths[:, None] + torch.arange(count, device=row_lengths.device))[:, None, :, None]
+
+
 class StaticRowCacheView(StaticCacheView):
     """The cache of a batch as a compiled decoding pass sees it (`RowCache`'s buffers, every shape
     fixed): each row writes the pass's new main entries right after its own stored ones
@@ -165,9 +171,7 @@ class StaticRowCacheView(StaticCacheView):
         self.row_lengths = row_lengths
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
-        batch, heads, main, dim = new_keys.shape
-        at = (self.row_lengths[:, None] + torch.arange(main, device=new_keys.device))[:, None, :, None]
-        at = at.expand(batch, heads, main, dim)
+        at = row_slots(self.row_lengths, new_keys.shape[-2]).expand(new_keys.shape)
         keys.scatter_(-2, at, new_keys)
         values.scatter_(-2, at, new_values)
 
@@ -200,7 +204,7 @@ class RowCache(MainStreamCache):
         if self.row_lengths is None:
             self.row_lengths = torch.zeros(batch, dtype=torch.long, device=key_states.device)
         if main not in self._at:
-            self._at[main] = (self.row_lengths[:, None] + torch.arange(main, device=key_states.device))[:, None, :, None]
+            self._at[main] = row_slots(self.row_lengths, main)
         at = self._at[main].expand(batch, heads, main, dim)
         keys.scatter_(-2, at, key_states[..., :main, :])
         values.scatter_(-2, at, value_states[..., :main, :])
@@ -211,10 +215,7 @@ class RowCache(MainStreamCache):
     def advance(self, accepted: torch.Tensor, width: int) -> None:
         """Each row stores `accepted` [B] (device) more of the entries it just wrote; `width` is
         the longest row's length afterwards (the host knows it from the accepted counts)."""
-        self.row_lengths = self.row_lengths + accepted
-        self._at.clear()
-        self.width = width
-        self._length = [width if k is not None else 0 for k in self._keys]
+        self.count_rows(self.row_lengths + accepted, width)
 
     def count_rows(self, row_lengths: torch.Tensor, width: int) -> None:
         """A compiled pass (`StaticRowCacheView`) wrote its entries in place: each row now stores
