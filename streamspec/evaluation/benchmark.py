@@ -69,6 +69,10 @@ from .tuning import (  # noqa: F401
     lookup_name,
 )
 
+# Reference rows a caller may leave out (`run_benchmark(skip=...)`): neither is a speculative
+# method; `make demo` leaves them out of its shipped-streams step to stay within its minutes.
+SKIPPABLE_ROWS = ("baseline_default_kernels", "streamed_ar")
+
 
 
 def held_out_rows(task: str, data: str | None = None, split: str = "test", schema_style: str = "spider") -> list[dict]:
@@ -113,6 +117,7 @@ def run_benchmark(
     decode: DecodeConfig | None = None,
     peers: tuple[str, ...] | str = (),
     gguf: str | None = None,
+    skip: tuple[str, ...] = (),
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -142,10 +147,16 @@ def run_benchmark(
             llama.cpp rows only when a GGUF is known (`gguf`, or the default model's own).
         gguf: the GGUF the llama.cpp rows run (a path; default: the default model's own GGUF when
             the baseline is the default model).
+        skip: reference rows not to run, of `SKIPPABLE_ROWS` (``baseline_default_kernels``,
+            ``streamed_ar``). Without ``streamed_ar`` a lossless checkpoint's rows are still
+            checked token for token against the baseline (``identical_to_baseline``).
     """
     from ..patch.checkpoint import read_checkpoint_meta
     from ..loading import load_for_inference
 
+    bad_skip = [name for name in skip if name not in SKIPPABLE_ROWS]
+    if isinstance(skip, str) or bad_skip:
+        raise ValueError(f"skip takes rows of {list(SKIPPABLE_ROWS)}, got {skip!r}")
     auto_tree = tree_top_k == "auto"
     if isinstance(tree_top_k, list):
         tree_top_k = tuple(tree_top_k)
@@ -224,6 +235,8 @@ def run_benchmark(
                                                       tree_budget=tree_budget)
     if heads is not None:
         methods["medusa"] = streaming_method(heads, eos, decode, tree_top_k=medusa_shape)
+    for name in skip:
+        methods.pop(name, None)
     peer_methods, peer_context = _peer_methods(peers, gguf, base_model, eos, baseline)
     methods.update(peer_methods)
     lossless_on_base = baseline is None and model.stream_config.mode == "lossless"

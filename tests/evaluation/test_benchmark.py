@@ -142,6 +142,24 @@ def test_generate_command_streams_the_same_text(tiny_dir, tmp_path):
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
 
 
+def test_benchmark_skips_the_reference_rows_asked_and_still_checks_exactness(tiny_dir, tmp_path):
+    """`skip` leaves out the reference rows (what `make demo` does for its minutes); a lossless
+    checkpoint's rows are then checked against `generate` on the base; anything else is refused
+    before a model loads."""
+    from streamspec.evaluation.benchmark import SKIPPABLE_ROWS
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    add_streams(base, StreamConfig(stream_layers=2, mode="lossless")).save_pretrained(tmp_path / "ckpt")
+    summary = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=2, tree_top_k=1, thresholds=(), lookup=None,
+                            tree_budget=None, max_new_tokens=6, skip=SKIPPABLE_ROWS)
+    assert set(summary) == {"baseline", "prompt_lookup", "chain", "tree"}
+    assert all(summary[name]["identical_to_baseline"] is True for name in ("chain", "tree"))
+    for bad in (("chain",), "streamed_ar"):
+        with pytest.raises(ValueError, match="skip takes rows of"):
+            run_benchmark(str(tmp_path / "no-such-checkpoint"), skip=bad)
+
+
 def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     """`make demo`'s job end to end (on a tiny base instead of SmolLM2 to stay quick): fine-tune,
     export a loadable streamed checkpoint, benchmark, print the table and the plots' paths."""
@@ -178,11 +196,15 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "introduce", lambda *a, **k: None)
     monkeypatch.setattr(trainer, "run_training", lambda recipe: {"export": str(tmp_path), "wall_seconds": 0,
                                                                  "seconds_per_step": 0})
-    lookups = []
+    lookups, skips = [], []
     monkeypatch.setattr(benchmark, "run_benchmark",
-                        lambda checkpoint, **k: calls.append(k.get("decode")) or lookups.append(k["lookup"]) or {})
+                        lambda checkpoint, **k: calls.append(k.get("decode")) or lookups.append(k["lookup"])
+                        or skips.append(k.get("skip")) or {})
     demo.run_demo(steps=1, limit=1, fine_tune_limit=1, out_dir=tmp_path)
     assert calls[0] is None and calls[1].compile == "auto"
+    # the shipped streams' step runs no reference row (one token a pass would be one more graph to
+    # compile); the fine-tune's keeps one token a pass, its exactness reference (shared streams)
+    assert skips == [("baseline_default_kernels",), ("baseline_default_kernels", "streamed_ar")]
     # the shipped streams' lookup: one branch a pass, two padded sizes to compile (7 and 15 nodes)
     assert lookups[1].matches == 1 and lookups[1].tokens == 8
     calls.clear()
