@@ -74,7 +74,6 @@ from .tuning import (  # noqa: F401
 SKIPPABLE_ROWS = ("baseline_default_kernels", "streamed_ar")
 
 
-
 def held_out_rows(task: str, data: str | None = None, split: str = "test", schema_style: str = "spider") -> list[dict]:
     """Prompts to benchmark: Spider's held-out databases (their schemas in `schema_style`, see
     `streamspec.data.schema_styles`), ACLSum, or a JSONL file with prompt and completion fields."""
