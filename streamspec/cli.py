@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a streamed checkpoint (lossless streams on --model) to decode faster with")
     dist.add_argument("--server", default=None,
                       help="decode on an OpenAI-compatible server instead: its URL (vLLM, SGLang, streamspec serve...) "
-                           "or llama.cpp:GGUF (an in-process llama.cpp server on a .gguf path or "
+                           "or llama.cpp:GGUF (a local llama.cpp server on a .gguf path or "
                            "streamspec:SmolLM2-135M-Instruct)")
     dist.add_argument("--server-threads", type=int, default=1, help="llama.cpp:GGUF only: its CPU threads")
     dist.add_argument("--server-parallel", type=int, default=4, help="requests in flight on the server")

@@ -1,9 +1,9 @@
-"""llama.cpp as an engine beside streamspec: its OpenAI-compatible server, run inside this process.
+"""llama.cpp as an engine beside streamspec: its OpenAI-compatible server, in a process of its own.
 
 What CPU users run: llama.cpp's server through the prebuilt ``xllamacpp`` wheel (MIT, no
 dependencies; ``pip install --only-binary=:all: xllamacpp``). `LlamaCppServer` starts one on a
-GGUF, bound to 127.0.0.1 on a free port, with a fixed number of threads and prompt caching, and
-stops it with the ``with`` block. A source written ``llama.cpp:GGUF`` names such a server
+GGUF, bound to 127.0.0.1 on a free port, with a fixed number of threads and prompt caching, in a
+child process of its own, and stops it with the ``with`` block (killed if it does not stop in time). A source written ``llama.cpp:GGUF`` names such a server
 (`parse_llama_cpp`), where GGUF is a path or a built-in name (`gguf_path`):
 
 - ``streamspec:SmolLM2-135M-Instruct`` (or ``default``): the default model's own GGUF (its package);
@@ -48,7 +48,7 @@ def gguf_path(name: str) -> Path:
 
 
 class LlamaCppServer:
-    """An in-process llama.cpp server on `gguf` (use as a context manager; `url` is its base URL).
+    """A llama.cpp server on `gguf` in a child process (use as a context manager; `url` is its base URL).
 
     Args:
         gguf: a GGUF path or built-in name (`gguf_path`).
@@ -66,11 +66,14 @@ class LlamaCppServer:
             in the wheel here), 0: none, so that a slot's own cache is the only one.
         slot_actions: allow `erase_slots` (llama.cpp's slot actions; they need a slot directory,
             a temporary one here).
+        stop_timeout: seconds the server gets to stop at the end of the ``with`` block; one that
+            takes longer is killed (with a warning). The server runs in a child process of its
+            own for this: xllamacpp stops it in a destructor that cannot be interrupted.
     """
 
     def __init__(self, gguf: str | Path, threads: int = 1, context: int = 4096, parallel: int = 1,
                  speculative: str | None = None, verbose: bool = False, ram_cache_mib: int | None = None,
-                 slot_actions: bool = False) -> None:
+                 slot_actions: bool = False, stop_timeout: float = 60.0) -> None:
         for name, value in (("threads", threads), ("context", context), ("parallel", parallel)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
@@ -84,48 +87,80 @@ class LlamaCppServer:
         self.verbose = verbose
         self.ram_cache_mib, self.slot_actions = ram_cache_mib, slot_actions
         self._slot_dir = None
-        self._server = None
+        self._process = None
+        self._stderr = None
+        self.stop_timeout = float(stop_timeout)
         self.url: str | None = None
 
     def __enter__(self) -> "LlamaCppServer":
-        try:
-            import xllamacpp as xlc
-        except ImportError as err:
-            raise ImportError(f"llama.cpp runs through the xllamacpp wheel: {INSTALL_HINT}") from err
-        params = xlc.CommonParams()
-        params.model.path = str(self.gguf)
-        params.n_ctx = self.context * self.parallel
-        params.n_parallel = self.parallel
-        params.port = 0  # a free port
-        params.hostnames = ["127.0.0.1"]
-        params.cpuparams.n_threads = self.threads
-        params.cpuparams_batch.n_threads = self.threads
-        params.cache_prompt = True
-        params.verbosity = 3 if self.verbose else 0
-        if self.ram_cache_mib is not None:
-            params.cache_ram_mib = int(self.ram_cache_mib)
-        if self.slot_actions:
-            import tempfile
+        import importlib.util
+        import subprocess
+        import sys
+        import tempfile
 
+        if importlib.util.find_spec("xllamacpp") is None:
+            raise ImportError(f"llama.cpp runs through the xllamacpp wheel: {INSTALL_HINT}")
+        if self.slot_actions:
             self._slot_dir = tempfile.TemporaryDirectory(prefix="streamspec-slots-")
-            params.slot_save_path = self._slot_dir.name
-        if self.speculative is not None:
-            params.speculative.types = [getattr(xlc.common_speculative_type, SPECULATIVE[self.speculative])]
+        settings = {"gguf": str(self.gguf), "context": int(self.context), "parallel": int(self.parallel),
+                    "threads": int(self.threads), "verbose": bool(self.verbose), "ram_cache_mib": self.ram_cache_mib,
+                    "slot_dir": self._slot_dir.name if self._slot_dir is not None else None,
+                    "speculative": SPECULATIVE[self.speculative] if self.speculative is not None else None}
+        # its own process (see _llamacpp_child.py): a server that never stops is killed, not waited on
+        self._stderr = None if self.verbose else tempfile.TemporaryFile()
+        self._process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_llamacpp_child.py"))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                         text=True)
         try:
-            self._server = xlc.Server(params)
+            self._process.stdin.write(json.dumps(settings) + "\n")
+            self._process.stdin.flush()
+            line = self._process.stdout.readline().strip()
+            if not line.startswith("ADDRESS "):
+                reason = line[len("ERROR "):] if line.startswith("ERROR ") else "it exited"
+                tail = self._stderr_tail()
+                reason += f"; its log ends:\n{tail}" if tail else ""
+                raise RuntimeError(f"the llama.cpp server on {self.gguf} did not start: {reason}")
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        address = self._server.listening_address
-        self.url = address if address.startswith("http") else f"http://{address}"
+        self.url = line[len("ADDRESS "):]
         return self
 
     def __exit__(self, *exc) -> None:
-        self._server = None  # the server stops when its object goes
+        import subprocess
+        import warnings
+
+        process, self._process = getattr(self, "_process", None), None
         self.url = None
+        if process is not None:
+            try:
+                process.stdin.close()  # the server stops when its input closes
+            except OSError:
+                pass
+            try:
+                process.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                warnings.warn(f"the llama.cpp server on {self.gguf} did not stop within {self.stop_timeout:g} s: "
+                              "killed", RuntimeWarning, stacklevel=2)
+                process.kill()
+                process.wait()
+            process.stdout.close()
+        if getattr(self, "_stderr", None) is not None:
+            self._stderr.close()
+            self._stderr = None
         if self._slot_dir is not None:
             self._slot_dir.cleanup()
             self._slot_dir = None
+
+    def _stderr_tail(self, chars: int = 2000) -> str:
+        """The last `chars` characters the server process wrote on stderr (when not verbose)."""
+        if self._stderr is None:
+            return ""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-chars:].strip()
 
     def erase_slots(self) -> None:
         """Empty every slot's prompt cache (the next request of each prefills its whole prompt).

@@ -53,7 +53,7 @@ class DistillArgs:
     # a streamed checkpoint of the same model to decode faster with; outputs are the model's own
     decoder: str | None = None
     # decode on an OpenAI-compatible server instead (URL of vLLM, SGLang, `streamspec serve`...,
-    # or llama.cpp:GGUF for an in-process llama.cpp server): the text may differ from the
+    # or llama.cpp:GGUF for a local llama.cpp server): the text may differ from the
     # model's own greedy text where the server's weights are quantised; with stream_targets:
     # main the targets are still the model's own predictions on that text
     server: str | None = None

@@ -1,4 +1,4 @@
-"""llama.cpp as an engine (the `xllamacpp` wheel, an in-process server on the default model's own
+"""llama.cpp as an engine (the `xllamacpp` wheel, a local server on the default model's own
 GGUF): the server starts on 127.0.0.1 and answers token-id prompts; `streamspec distill --server`
 builds a set from it that resumes and is keyed apart from the model's own; bad sources are refused."""
 
@@ -112,3 +112,27 @@ def test_erased_slots_prefill_again_and_no_other_cache_restores_them():
     with LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1) as server:
         with pytest.raises(RuntimeError, match="slot_actions"):
             server.erase_slots()
+
+
+def test_the_server_is_a_child_process_that_stops_or_is_killed(tmp_path):
+    import os
+    import signal
+
+    with LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1) as server:
+        process = server._process
+        assert process.pid != os.getpid() and process.poll() is None
+    assert process.returncode == 0 and server._process is None  # stopped when the block ended
+    # a server that does not stop in time is killed, with a warning, never waited on for ever
+    server = LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1, stop_timeout=1)
+    with pytest.warns(RuntimeWarning, match="did not stop within 1 s: killed"):
+        with server:
+            process = server._process
+            os.kill(process.pid, signal.SIGSTOP)  # frozen: it cannot stop by itself
+    assert process.returncode == -signal.SIGKILL and server.url is None
+    # a GGUF llama.cpp cannot load: a clear error, and no process left behind
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    server = LlamaCppServer(str(broken), threads=1)
+    with pytest.raises(RuntimeError, match="did not start"):
+        server.__enter__()
+    assert server._process is None and server.url is None
