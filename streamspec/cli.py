@@ -155,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--default-kernels", action="store_true",
                      help="keep torch's default CPU linear kernels (default: packed oneDNN ones, see streamspec.kernels)")
     add_device_args(gen)
+    from .evaluation.benchmark import SKIPPABLE_ROWS
+
     ev = sub.add_parser("eval", help="benchmark decoding methods side by side (speed and quality)")
     ev.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
     ev.add_argument("--task", choices=["sql", "summarize"], default="sql")
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "when a GGUF is known)")
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
+    ev.add_argument("--skip", nargs="+", default=[], choices=list(SKIPPABLE_ROWS), metavar="ROW",
+                    help="reference rows not to run: baseline_default_kernels (generate on torch's default kernels), "
+                         "streamed_ar (one token a pass); exactness is then checked against generate on the base")
     # every row of ours verifies and compiles alike; the tree, lookup, budget and pruning above are
     # the rows' own (with auto: chosen on validation prompts)
     add_decode_arguments(ev, defaults=CLI_DECODE_DEFAULTS, only=EVAL_DECODE_FLAGS)
@@ -291,6 +296,7 @@ def _run(args) -> int:
             max_new_tokens=args.max_new_tokens, medusa=args.medusa, schema_style=args.schema_style,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
             decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS), peers=args.peers, gguf=args.gguf,
+            skip=tuple(args.skip),
         )
     elif args.command == "serve":
         from .serving import serve

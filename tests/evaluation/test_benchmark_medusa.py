@@ -166,7 +166,7 @@ def test_eval_help_lists_the_new_options(capsys):
         main(["eval", "--help"])
     assert done.value.code == 0
     shown = capsys.readouterr().out
-    for option in ("--medusa", "--schema-style", "--validation-limit", "--thresholds"):
+    for option in ("--medusa", "--schema-style", "--validation-limit", "--thresholds", "--skip"):
         assert option in shown, option
     for style in SCHEMA_STYLES:  # the command offers exactly the library's styles
         assert style in shown, style
@@ -193,7 +193,19 @@ def test_eval_passes_the_new_options_to_the_benchmark(monkeypatch):
     assert seen["validation_limit"] == 3 and seen["thresholds"] == ()
     main(["eval", "--checkpoint", "ckpt", "--thresholds", "0.1", "0.3"])
     assert seen["thresholds"] == (0.1, 0.3) and seen["medusa"] is None and seen["schema_style"] == "spider"
-    assert seen["validation_limit"] == 10
+    assert seen["validation_limit"] == 10 and seen["skip"] == ()
+    main(["eval", "--checkpoint", "ckpt", "--skip", "streamed_ar", "baseline_default_kernels"])
+    assert seen["skip"] == ("streamed_ar", "baseline_default_kernels")
+
+
+def test_eval_refuses_a_row_it_cannot_skip(capsys):
+    from streamspec.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["eval", "--checkpoint", "ckpt", "--skip", "chain"])
+    assert done.value.code == 2
+    error = capsys.readouterr().err
+    assert "--skip" in error and "chain" in error and "streamed_ar" in error
 
 
 # ---------------------------------------------------------------------------------------------
