@@ -69,11 +69,14 @@ class LlamaCppServer:
         stop_timeout: seconds the server gets to stop at the end of the ``with`` block; one that
             takes longer is killed (with a warning). The server runs in a child process of its
             own for this: xllamacpp stops it in a destructor that cannot be interrupted.
+        start_timeout: seconds the server gets to load its GGUF and listen; one that takes longer
+            is killed and reported (a RuntimeError), never waited on for ever.
     """
 
     def __init__(self, gguf: str | Path, threads: int = 1, context: int = 4096, parallel: int = 1,
                  speculative: str | None = None, verbose: bool = False, ram_cache_mib: int | None = None,
-                 slot_actions: bool = False, stop_timeout: float = 60.0) -> None:
+                 slot_actions: bool = False, stop_timeout: float = 60.0,
+                 start_timeout: float = 600.0) -> None:
         for name, value in (("threads", threads), ("context", context), ("parallel", parallel)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
@@ -90,10 +93,15 @@ class LlamaCppServer:
         self._process = None
         self._stderr = None
         self.stop_timeout = float(stop_timeout)
+        self.start_timeout = float(start_timeout)
+        for name, value in (("stop_timeout", self.stop_timeout), ("start_timeout", self.start_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         self.url: str | None = None
 
     def __enter__(self) -> "LlamaCppServer":
         import importlib.util
+        import select
         import subprocess
         import sys
         import tempfile
@@ -114,6 +122,11 @@ class LlamaCppServer:
         try:
             self._process.stdin.write(json.dumps(settings) + "\n")
             self._process.stdin.flush()
+            ready, _, _ = select.select([self._process.stdout], [], [], self.start_timeout)
+            if not ready:
+                self._process.kill()
+                raise RuntimeError(f"the llama.cpp server on {self.gguf} did not start within "
+                                   f"{self.start_timeout:g} s (start_timeout): killed")
             line = self._process.stdout.readline().strip()
             if not line.startswith("ADDRESS "):
                 reason = line[len("ERROR "):] if line.startswith("ERROR ") else "it exited"

@@ -136,3 +136,11 @@ def test_the_server_is_a_child_process_that_stops_or_is_killed(tmp_path):
     with pytest.raises(RuntimeError, match="did not start"):
         server.__enter__()
     assert server._process is None and server.url is None
+    # a server that does not start in time: killed and reported, nothing left behind
+    server = LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1, start_timeout=0.01)
+    with pytest.raises(RuntimeError, match=r"did not start within 0.01 s \(start_timeout\): killed"):
+        server.__enter__()
+    assert server._process is None and server.url is None
+    for name in ("start_timeout", "stop_timeout"):
+        with pytest.raises(ValueError, match=f"{name} must be > 0 seconds, got 0.0"):
+            LlamaCppServer("streamspec:SmolLM2-135M-Instruct", **{name: 0})
