@@ -123,14 +123,13 @@ class LlamaCppServer:
             self._process.stdin.write(json.dumps(settings) + "\n")
             self._process.stdin.flush()
             ready, _, _ = select.select([self._process.stdout], [], [], self.start_timeout)
-            if not ready:
-                self._process.kill()
-                raise RuntimeError(f"the llama.cpp server on {self.gguf} did not start within "
-                                   f"{self.start_timeout:g} s (start_timeout): killed")
-            line = self._process.stdout.readline().strip()
-            if not line.startswith("ADDRESS "):
-                reason = line[len("ERROR "):] if line.startswith("ERROR ") else "it exited"
-                tail = self._stderr_tail()
+            line = self._process.stdout.readline().strip() if ready else None
+            if line is None or not line.startswith("ADDRESS "):
+                if line is None:
+                    reason = f"not within {self.start_timeout:g} s (start_timeout): killed"
+                else:
+                    reason = line[len("ERROR "):] if line.startswith("ERROR ") else "it exited"
+                tail = self._stderr_tail()  # kills it if it still runs
                 reason += f"; its log ends:\n{tail}" if tail else ""
                 raise RuntimeError(f"the llama.cpp server on {self.gguf} did not start: {reason}")
         except BaseException:
@@ -166,12 +165,13 @@ class LlamaCppServer:
             self._slot_dir = None
 
     def _stderr_tail(self, chars: int = 2000) -> str:
-        """The last `chars` characters the server process wrote on stderr (when not verbose)."""
-        if self._stderr is None:
-            return ""
+        """The last `chars` characters the server process wrote on stderr (when not verbose),
+        once it has ended (killed here if it still runs)."""
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+        if self._stderr is None:
+            return ""
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")[-chars:].strip()
 

@@ -114,9 +114,10 @@ def test_erased_slots_prefill_again_and_no_other_cache_restores_them():
             server.erase_slots()
 
 
-def test_the_server_is_a_child_process_that_stops_or_is_killed(tmp_path):
+def test_the_server_is_a_child_process_that_stops_or_is_killed(tmp_path, monkeypatch):
     import os
     import signal
+    import warnings
 
     with LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1) as server:
         process = server._process
@@ -136,11 +137,22 @@ def test_the_server_is_a_child_process_that_stops_or_is_killed(tmp_path):
     with pytest.raises(RuntimeError, match="did not start"):
         server.__enter__()
     assert server._process is None and server.url is None
-    # a server that does not start in time: killed and reported, nothing left behind
-    server = LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1, start_timeout=0.01)
-    with pytest.raises(RuntimeError, match=r"did not start within 0.01 s \(start_timeout\): killed"):
-        server.__enter__()
-    assert server._process is None and server.url is None
+    # a server that does not start in time: killed at once and reported (not left to stop_timeout's
+    # "did not stop" warning), verbose or not, nothing left behind
+    import subprocess
+
+    started = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    for verbose in (False, True):
+        server = LlamaCppServer("streamspec:SmolLM2-135M-Instruct", threads=1, start_timeout=0.01, verbose=verbose)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeError, match=r"did not start: not within 0.01 s \(start_timeout\): killed"):
+                server.__enter__()
+        assert server._process is None and server.url is None
+        assert started[-1].returncode == -signal.SIGKILL  # killed, not left to finish its start
+    assert len(started) == 2
     for name in ("start_timeout", "stop_timeout"):
         with pytest.raises(ValueError, match=f"{name} must be > 0 seconds, got 0.0"):
             LlamaCppServer("streamspec:SmolLM2-135M-Instruct", **{name: 0})
