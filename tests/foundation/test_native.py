@@ -56,7 +56,7 @@ def _within_rounding(out, x, w, b):
 
 
 @pytest.mark.parametrize("n, k", [(96, 48), (13, 45), (8, 32), (9, 33), (7, 1), (1536, 576), (40, 100)])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 12, 13, 25])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 8, 12, 13, 14, 25])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_is_the_exact_product_up_to_rounding(kernel, n, k, rows, bias, dtype):
@@ -142,7 +142,7 @@ def test_switched_off_by_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [7, 29])
+@pytest.mark.parametrize("rows", [7, 8, 14, 29])
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_pass(kernel, dtype, rows):
     """Each row's sums run in one order whatever else is in the pass: a row alone and the same row
     among others give identical bits (what lets a decoder on the kernel verify as it decodes)."""
