@@ -366,14 +366,22 @@ SS_TARGET float row_scores(const T* q, const T* k, int64_t k_stride, const float
     _mm512_storeu_ps(scores + l, sv);
     best_v = _mm512_max_ps(best_v, sv);
   }
-  float best = _mm512_reduce_max_ps(best_v);
-  for (; l < length; ++l) {
-    float s = _mm512_reduce_add_ps(dot.partial(k + l * k_stride)) * scale + (mask != nullptr ? mask[l * mask_stride] : 0.f);
-    if (allowed != nullptr && !allowed[l * mask_stride]) s = -std::numeric_limits<float>::infinity();
-    scores[l] = s;
-    best = std::max(best, s);
+  if (l < length) {  // the last few keys the same way (the other lanes zeros), so that a key's score
+                     // has the same bits wherever the row's keys end
+    const int64_t left = length - l;
+    __m512 part[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) part[j] = j < left ? dot.partial(k + (l + j) * k_stride) : _mm512_setzero_ps();
+    __m512 sv = _mm512_mul_ps(sum16(part), scale_v);
+    for (int j = 0; j < left; ++j) {
+      if (mask != nullptr) sv[j] += mask[(l + j) * mask_stride];
+      else if (allowed != nullptr && !allowed[(l + j) * mask_stride]) sv[j] = -std::numeric_limits<float>::infinity();
+    }
+    const __mmask16 m = (__mmask16)((1u << left) - 1u);
+    _mm512_mask_storeu_ps(scores + l, m, sv);
+    best_v = _mm512_mask_max_ps(best_v, m, best_v, sv);
   }
-  return best;
+  return _mm512_reduce_max_ps(best_v);
 }
 
 // Scores -> e^(score - best) in place (16 lanes at a time, the last block masked); returns their sum.
@@ -389,6 +397,21 @@ SS_TARGET float row_exp(float* scores, int64_t length, float best) {
   return _mm512_reduce_add_ps(total);
 }
 
+// How many of a row's keys to score: up to its last key the mask does not shut out (a boolean false,
+// or an additive value of -1e30 or less: -inf, float32's or bf16's lowest), the whole `length` when it
+// shuts out every key. A compiled pass attends over a cache buffer of a fixed capacity, its tail
+// not yet written; those keys' weights are exactly 0 (see `attend_rows`), so they are skipped.
+constexpr float kShut = -1e30f;
+inline int64_t keys_to_score(const float* mask, const bool* allowed, int64_t mask_stride, int64_t length) {
+  int64_t end = length;
+  if (allowed != nullptr) {
+    while (end > 0 && !allowed[(end - 1) * mask_stride]) --end;
+  } else if (mask != nullptr) {
+    while (end > 0 && mask[(end - 1) * mask_stride] <= kShut) --end;
+  }
+  return end > 0 ? end : length;
+}
+
 // NQ query rows (of one key-value head: its query heads and rows) against its `length` keys: each
 // row's scores and softmax, then the weighted sums of values for all NQ rows at once, each value
 // read (and, bf16, widened to float32) once for them. `V` 16-lane vectors of the head's dim
@@ -401,15 +424,28 @@ SS_TARGET void attend_rows(const T* const* q, const T* k, int64_t k_stride, cons
   const int64_t ld = length + 16;
   float inv[NQ];
   bool any = false;
+  int64_t last = 0;  // the keys any row of the group weighs: [0, last)
   for (int i = 0; i < NQ; ++i) {
     float* s = scores + i * ld;
-    const float best = row_scores<T, V>(q[i], k, k_stride, mask[i], allowed[i], mask_stride, length, dim, scale, s);
+    // Keys past the row's last open one (`keys_to_score`) score <= -1e30 + |q.k| scale: with the row's
+    // best score over the others above -1e29 their e^(score - best) is exactly 0 (as `exp_ps` gives
+    // below -87.3), so they are left out of the scores, the sum and the values, and the row's
+    // output bits are the same as over every key. Otherwise (every key shut out but a few at
+    // -1e30 or so): all of them, as before.
+    int64_t end = keys_to_score(mask[i], allowed[i], mask_stride, length);
+    float best = row_scores<T, V>(q[i], k, k_stride, mask[i], allowed[i], mask_stride, end, dim, scale, s);
+    if (end < length && !(best > -1e29f)) {
+      end = length;
+      best = row_scores<T, V>(q[i], k, k_stride, mask[i], allowed[i], mask_stride, end, dim, scale, s);
+    }
+    for (int64_t j = end; j < length; ++j) s[j] = 0.f;
     if (best == -std::numeric_limits<float>::infinity()) {  // a row that may see nothing: zeros, as sdpa
-      for (int64_t j = 0; j < length; ++j) s[j] = 0.f;
+      for (int64_t j = 0; j < end; ++j) s[j] = 0.f;
       inv[i] = 0.f;
     } else {
-      inv[i] = 1.f / row_exp(s, length, best);
+      inv[i] = 1.f / row_exp(s, end, best);
       any = true;
+      last = std::max(last, end);
     }
   }
   __mmask16 vmask[V];
@@ -422,7 +458,7 @@ SS_TARGET void attend_rows(const T* const* q, const T* k, int64_t k_stride, cons
     for (int i = 0; i < NQ; ++i) acc[i][c] = _mm512_setzero_ps();
   }
   if (any) {
-    for (int64_t j = 0; j < length; ++j) {
+    for (int64_t j = 0; j < last; ++j) {
       // a key no row of the group may see adds nothing (and a masked slot's value is never read)
       bool seen = false;
 #pragma GCC unroll 8

@@ -142,6 +142,15 @@ def _compiled_host_pass(backend: str, device_type: str | None = None):
     return _compile(_host_tree_pass, backend, device_type)
 
 
+#: Passes over host-built trees (lookup branches, confidence budgets) share one compiled graph per
+#: padded size: each reads back at least this many candidates per stream, with their scores, and
+#: verifies paths of up to at least this many tokens, so that a lookup row (`PromptLookup`'s
+#: default 8-token branches on a narrower stream tree) and a confidence row (3 candidates a stream)
+#: whose trees pad to the same size compile once. The extra read is a few numbers a pass.
+HOST_GRAPH_WIDTH = 3
+HOST_GRAPH_DEPTH = 8
+
+
 def host_tree_sizes(stream_nodes: int, lookup, most_nodes: int) -> list[int]:
     """The padded sizes a compiled pass over host-built trees takes (one graph each): the stream
     tree alone, then room for one more lookup branch per size, up to `most_nodes`."""
@@ -173,16 +182,19 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
     key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)
     capacity = cache.capacity
     draft_depth = len(shape)
-    depth_limit = max(draft_depth, lookup.tokens) if lookup is not None else draft_depth
+    # One graph per padded size for lookup branches and confidence trees alike (`HOST_GRAPH_WIDTH`,
+    # `HOST_GRAPH_DEPTH`): each pass reads back the candidates and scores either needs, and the host
+    # keeps this loop's `width` of them.
+    graph_width = max(width, HOST_GRAPH_WIDTH)
+    depth_limit = max(draft_depth, lookup.tokens if lookup is not None else 0, HOST_GRAPH_DEPTH)
     stream_nodes = len(stream_tree.parent) if tree_budget is None else min(tree_budget, len(stream_tree.parent))
     sizes = host_tree_sizes(stream_nodes, lookup, most_nodes)
-    with_scores = tree_budget is not None
+    with_scores = True
     summary_length = depth_limit + 2
     checked: set[int] = set()  # the sizes whose graph a pass of this loop has called
 
     def graph_of(size):
-        return _graph_key(model, ("host tree", size, depth_limit, draft_depth, width, with_scores), capacity,
-                          sampler, backend)
+        return _graph_key(model, ("host tree", size, depth_limit, draft_depth, graph_width), capacity, sampler, backend)
 
     with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
         # Every size's graph first (a root padded to that size: its writes past the stored entries
@@ -194,7 +206,7 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
             with _CompileNotice(graph_of(size), f"trees of up to {size} nodes, cache of {capacity}"):
                 step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device),
                      torch.full((size,), generated[-1], dtype=new_ids.dtype, device=device),
-                     _padded_tree_on((-1,), size, depth_limit, shape, device), sampler, key, width, draft_depth,
+                     _padded_tree_on((-1,), size, depth_limit, shape, device), sampler, key, graph_width, draft_depth,
                      with_scores)
         while len(generated) < max_new_tokens and not ended:
             start = clock()
@@ -210,11 +222,14 @@ def _speculate_compiled_host(model, cache, past, generated, ended, max_new_token
                 raise RuntimeError(f"cache capacity {capacity} is too small for a pass at {past}")
             with _checked_once(size in checked):  # each size's first pass of this loop: every guard
                 path, flat = step(model, *cache.buffers, torch.tensor(past, dtype=torch.long, device=device), tokens,
-                                  tree, sampler, key, width, draft_depth, with_scores)
+                                  tree, sampler, key, graph_width, draft_depth, with_scores)
             checked.add(size)
             forward_done = clock()
-            summary, host_candidates, host_scores = split_host_read(read_to_host(flat), summary_length, width,
+            summary, host_candidates, host_scores = split_host_read(read_to_host(flat), summary_length, graph_width,
                                                                     draft_depth, with_scores)
+            if graph_width > width:  # this loop's own candidates (the best first), as uncompiled
+                host_candidates = [row[:width] for row in host_candidates]
+                host_scores = [row[:width] for row in host_scores]
             new = summary[1 : summary[0] + 2]
             head_done = clock()
             past, ended = commit_pass(cache, past, new, ((path, None),), generated, max_new_tokens, stop, on_tokens)

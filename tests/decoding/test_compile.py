@@ -189,6 +189,29 @@ def test_host_built_trees_compiled_equal_uncompiled(models, arch, options, backe
     assert _graphs() == again, "every size was compiled with the first generation"
 
 
+def test_lookup_and_confidence_trees_of_one_size_share_a_graph(models):
+    """A lookup row and a confidence row whose trees pad to the same size run one compiled graph
+    (`HOST_GRAPH_WIDTH`, `HOST_GRAPH_DEPTH`): the second compiles nothing, and each still decodes
+    exactly what its uncompiled loop decodes, pass for pass (the confidence tree grown from its
+    own width of candidates)."""
+    from streamspec.decoding.lookup import PromptLookup
+
+    model = models["llama"]
+    ids = _repetitive_ids(seed=8)
+    lookup = dict(tree_top_k=(2, 1, 1), lookup=PromptLookup(4, 1))  # sizes 7 and 11
+    confidence = dict(tree_top_k=2, tree_budget=7)  # 2 candidates a stream, trees of 7 nodes
+    first = generate(model, ids, 24, compile="aot_eager", **lookup)
+    assert first.tokens.tolist() == generate(model, ids, 24, **lookup).tokens.tolist()
+    assert {n for n, _ in first.nodes_per_pass} <= {7, 11}
+    before = _graphs()
+    out = generate(model, ids, 24, compile="aot_eager", **confidence)
+    expected = generate(model, ids, 24, **confidence)
+    assert _graphs() == before, "the confidence row compiled a graph of its own"
+    assert out.tokens.tolist() == expected.tokens.tolist()
+    assert out.accepted_per_pass == expected.accepted_per_pass
+    assert {n for n, _ in out.nodes_per_pass} == {7}
+
+
 def test_host_built_trees_compiled_with_seeded_sampling(models):
     from streamspec.decoding.lookup import PromptLookup
 

@@ -205,6 +205,35 @@ def test_the_attention_kernel_is_attention_up_to_rounding(kernel, dim, length, r
     assert torch.equal(last[:, 0], out[:, -1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("open_keys", [1, 15, 16, 37, 64])
+def test_attention_over_a_buffer_with_a_shut_tail_has_the_bits_of_the_open_keys_alone(kernel, dtype, open_keys):
+    """A compiled pass attends over a cache buffer of fixed capacity whose tail is not written
+    yet (shut by its mask: false, -inf or the dtype's lowest); `generate` attends over the keys
+    written so far. Every row's output has the same bits both ways, whatever the keys' count
+    modulo the kernel's 16-key blocks, and a row the mask shuts out of every key by a finite lowest
+    value still weighs every key alike, as sdpa does."""
+    torch.manual_seed(open_keys)
+    capacity, dim = 80, 64
+    q = torch.randn(1, 9, 3, dim, dtype=dtype)
+    k, v = torch.randn(1, 3, capacity, dim, dtype=dtype), torch.randn(1, 3, capacity, dim, dtype=dtype)
+    allowed = torch.rand(1, 1, 3, open_keys) > 0.2
+    allowed[..., -1] = True  # each row's own, last, key
+    for shut in ("bool", float("-inf"), torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min):
+        def mask_of(a):
+            return a if shut == "bool" else torch.zeros(a.shape).masked_fill(~a, shut)
+        full = torch.zeros(1, 1, 3, capacity, dtype=torch.bool)
+        full[..., :open_keys] = allowed
+        over_buffer = kernel.decode_attention(q, k, v, mask_of(full), dim ** -0.5)
+        written = kernel.decode_attention(q, k[:, :, :open_keys], v[:, :, :open_keys], mask_of(allowed), dim ** -0.5)
+        assert torch.equal(over_buffer, written), shut
+    lowest = torch.full((1, 1, 3, capacity), torch.finfo(torch.float32).min)  # every key shut by a finite value
+    out = kernel.decode_attention(q, k, v, lowest, dim ** -0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    alike = v.double().mean(2).repeat_interleave(3, dim=1)[:, None].expand(1, 3, 9, dim)  # [B, T, H, D]
+    torch.testing.assert_close(out.double(), alike, rtol=tol, atol=tol)
+
+
 def test_the_attention_kernel_refuses_what_it_cannot_attend(kernel):
     q = torch.randn(1, 4, 1, 64, dtype=torch.bfloat16)
     k = v = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
