@@ -50,7 +50,7 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     levels = torch.arange(depth_limit + 1, device=main.device)
     drafted = torch.cat([node_tokens.index_select(0, path[1:]), correction])
     tokens = torch.where(levels == depth, correction, drafted)
-    stream_logits = (model.head(streams[0, :, :draft].index_select(0, best)[0]) if split  # [D, V]: the deepest node's streams
+    stream_logits = (model.draft_head(streams[0, :, :draft].index_select(0, best)[0]) if split  # [D, V]: the deepest node's streams
                      else logits[n:].view(n, draft, -1).index_select(0, best)[0])
     candidates = stream_logits.topk(width, dim=-1).indices
     if with_scores:  # the candidates' log-probabilities, for a tree grown by confidence

@@ -89,6 +89,53 @@ class DecoderParts(nn.Module):
         norm = getattr(self.decoder, self.arch.norm)
         return self.hf_model.get_output_embeddings()(norm(hidden))
 
+    def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head for the drafts' rows alone (the next pass's candidates, never what a pass
+        verifies): `head`, or after `use_bf16_draft_head` on a float32 model, the final norm in
+        float32 and a bfloat16 copy of the LM head (logits in float32). Drafts are guesses the
+        next pass verifies against the float32 head, so the tokens decoded are the same either
+        way; only which candidates are drafted may differ, at near-ties."""
+        draft = self.__dict__.get("_bf16_draft_head")
+        if draft is None or hidden.dtype != torch.float32:
+            return self.head(hidden)
+        lm_head = self.hf_model.get_output_embeddings()
+        weight, version = self.__dict__["_bf16_draft_head_source"]
+        if not torch.compiler.is_compiling() and (lm_head.weight is not weight or weight._version != version):
+            self.use_bf16_draft_head()  # the LM head was replaced or changed in place: copied again
+            draft = self.__dict__["_bf16_draft_head"]
+        norm = getattr(self.decoder, self.arch.norm)
+        return draft(norm(hidden).to(torch.bfloat16)).float()
+
+    def use_bf16_draft_head(self, on: bool = True) -> bool:
+        """Draft through a bfloat16 copy of the LM head (`draft_head`), packed for streamspec's CPU
+        kernels: on a CPU a draft's LM head reads the whole vocabulary's weights for a few rows,
+        so half the bytes is most of the time saved (SmolLM2-135M: 113 MB of float32, ~2 ms of a
+        ~60 ms float32 pass on this project's CPUs). Only for a float32 model whose LM head is an
+        `nn.Linear` on the CPU, where `streamspec.native`'s kernels run; returns whether it is on.
+        The copy is kept outside the module's parameters and state dict (never saved), and made
+        again when the LM head's weight changes."""
+        from .. import native
+        from ..kernels import pack_linear_layers, packed_dtypes
+
+        self.__dict__.pop("_bf16_draft_head", None)
+        self.__dict__.pop("_bf16_draft_head_source", None)
+        lm_head = self.hf_model.get_output_embeddings()
+        if not on or not isinstance(lm_head, nn.Linear) or lm_head.weight.dtype != torch.float32 \
+                or lm_head.weight.device.type != "cpu" or torch.bfloat16 not in packed_dtypes() \
+                or native.bf16_linear() is None:
+            return False
+        draft = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None,
+                          dtype=torch.bfloat16)
+        with torch.no_grad():
+            draft.weight.copy_(lm_head.weight)
+            if lm_head.bias is not None:
+                draft.bias.copy_(lm_head.bias)
+        draft.requires_grad_(False)
+        pack_linear_layers(draft)
+        self.__dict__["_bf16_draft_head"] = draft.eval()  # (not a submodule: outside the state dict)
+        self.__dict__["_bf16_draft_head_source"] = (lm_head.weight, lm_head.weight._version)
+        return True
+
     def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache, **kwargs):
         extra = {"position_ids": position_ids, "position_embeddings": position_embeddings} if self.arch.rotary else {}
         out = layer(hidden, attention_mask=bias, cache=cache, **extra, **kwargs)
