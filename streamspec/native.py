@@ -5,7 +5,7 @@ and the attention (bf16 or float32) of a few query rows against the cache.
 oneDNN's bf16 inner product, the best torch offers for one row on a CPU, read this project's
 model at ~9 GB/s on one core of a machine whose core reads ~27 GB/s: a decoding pass costs what
 its weights' reading costs, so that gap is the step's. The kernel lays each weight out once as
-one sequential stream and reads it at ~19-25 GB/s for one to six rows (`python eval/linear_kernels.py`
+one sequential stream and reads it at ~19-25 GB/s for one to six rows, seven in float32 (`python eval/linear_kernels.py`
 compares them on a machine); float32 weights, laid out the same way, read at ~20 GB/s where
 oneDNN's float32 read ~9. `streamspec.kernels.pack_linear_layers` uses it beside oneDNN's pack
 for bf16 and float32 layers: passes of up to `MAX_ROWS` rows take it, longer ones oneDNN. The attention

@@ -29,7 +29,7 @@ constexpr int64_t kTile = 64;   // outputs a tile: four registers of 16 float32 
 constexpr int64_t kRowsMax = 6;  // input rows a pass over a tile: 6 x 4 sums + 4 weights in registers
 // float32: 7 rows, 7 x 4 sums + 4 weights = all 32 registers, each row's input broadcast from memory
 // into its products (`vfmadd ... {1to16}`), where bf16's pair needs a register of its own. On the
-// AMD EPYC (Zen 4) of the fifteenth session a 7-row float32 pass over SmolLM2's layers took 21.1 ms
+// AMD EPYC (Zen 4) of the sixteenth session a 7-row float32 pass over SmolLM2's layers took 21.1 ms
 // in one pass against 25.6 in two (4 + 3), 6 rows 19.7.
 constexpr int64_t kRowsMaxF32 = 7;
 
