@@ -24,6 +24,12 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def _weight_state(weight: torch.Tensor) -> tuple:
+    """What tells a weight changed: the tensor, its storage (moved, cast, ``.data`` replaced), its
+    dtype and its version counter (changed in place)."""
+    return id(weight), weight.data_ptr(), weight.dtype, weight._version
+
+
 class DecoderParts(nn.Module):
     """The causal LM's own modules, and the forward through its lower layers."""
 
@@ -96,12 +102,13 @@ class DecoderParts(nn.Module):
         next pass verifies against the float32 head, so the tokens decoded are the same either
         way; only which candidates are drafted may differ, at near-ties."""
         draft = self.__dict__.get("_bf16_draft_head")
-        if draft is None or hidden.dtype != torch.float32:
+        if draft is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return self.head(hidden)
         lm_head = self.hf_model.get_output_embeddings()
-        weight, version = self.__dict__["_bf16_draft_head_source"]
-        if not torch.compiler.is_compiling() and (lm_head.weight is not weight or weight._version != version):
-            self.use_bf16_draft_head()  # the LM head was replaced or changed in place: copied again
+        if not torch.compiler.is_compiling() and self.__dict__["_bf16_draft_head_source"] != _weight_state(lm_head.weight):
+            # the LM head was replaced (moved, cast) or changed in place: copied again where it still applies
+            if not self.use_bf16_draft_head():
+                return self.head(hidden)
             draft = self.__dict__["_bf16_draft_head"]
         norm = getattr(self.decoder, self.arch.norm)
         return draft(norm(hidden).to(torch.bfloat16)).float()
@@ -113,7 +120,8 @@ class DecoderParts(nn.Module):
         ~60 ms float32 pass on this project's CPUs). Only for a float32 model whose LM head is an
         `nn.Linear` on the CPU, where `streamspec.native`'s kernels run; returns whether it is on.
         The copy is kept outside the module's parameters and state dict (never saved), and made
-        again when the LM head's weight changes."""
+        again when an eager call finds the LM head's weight changed (a compiled graph keeps the
+        copy it was traced with: its drafts may then be worse, never its tokens)."""
         from .. import native
         from ..kernels import pack_linear_layers, packed_dtypes
 
@@ -133,7 +141,7 @@ class DecoderParts(nn.Module):
         draft.requires_grad_(False)
         pack_linear_layers(draft)
         self.__dict__["_bf16_draft_head"] = draft.eval()  # (not a submodule: outside the state dict)
-        self.__dict__["_bf16_draft_head_source"] = (lm_head.weight, lm_head.weight._version)
+        self.__dict__["_bf16_draft_head_source"] = _weight_state(lm_head.weight)
         return True
 
     def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache, **kwargs):

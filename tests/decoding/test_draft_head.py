@@ -57,6 +57,14 @@ def test_the_draft_head_is_the_lm_head_up_to_bf16_and_follows_it():
         torch.testing.assert_close(drafted, exact, rtol=0.05, atol=0.05)
         model.hf_model.get_output_embeddings().weight.mul_(2.0)  # changed in place: copied again
         torch.testing.assert_close(model.draft_head(hidden), model.head(hidden), rtol=0.05, atol=0.1)
+        moved = _streamed()
+        assert moved.use_bf16_draft_head()
+        moved.to(torch.bfloat16)  # a cast replaces the head's weight: the copy is dropped, not misused
+        assert torch.equal(moved.draft_head(hidden.bfloat16()), moved.head(hidden.bfloat16()))
+        moved.to(torch.float32)  # back: copied again from the weight it now has
+        again, exact = moved.draft_head(hidden), moved.head(hidden)
+        assert not torch.equal(again, exact)
+        torch.testing.assert_close(again, exact, rtol=0.05, atol=0.05)
         assert not model.use_bf16_draft_head(False)
         assert torch.equal(model.draft_head(hidden), model.head(hidden))
         half = _streamed().to(torch.bfloat16)
