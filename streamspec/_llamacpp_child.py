@@ -3,13 +3,16 @@ that it imports neither torch nor streamspec: it starts in well under a second).
 
 It reads its settings as one JSON line on stdin, starts the xllamacpp server, writes
 ``ADDRESS <url>`` (or ``ERROR <message>``) as one line on stdout, and stops the server when
-stdin closes: when the parent's ``with`` block ends, or when the parent dies. The parent kills
-this process if stopping takes too long, which is why the server does not live in the parent:
-xllamacpp stops its server in the object's destructor, holding the interpreter's lock, and a
-destructor that never returns would hang the parent with it.
+stdin closes: when the parent's ``with`` block ends, or when the parent dies. It stops by
+ending the process (``os._exit``): xllamacpp stops its server in the object's destructor, holding
+the interpreter's lock, and that destructor sometimes never returns (seen in a CI run: a child
+killed after the parent's 60 s); the server holds nothing a process's end does not release (its
+slot files live in the parent's temporary folder). The parent still kills this process if it
+does not end in time, and the server does not live in the parent, whose own exit would hang.
 """
 
 import json
+import os
 import sys
 
 
@@ -44,8 +47,9 @@ def main() -> int:
     sys.stdout.write(f"ADDRESS {url}\n")
     sys.stdout.flush()
     sys.stdin.read()  # until the parent closes it
-    del server  # stops the server (the parent kills this process if that hangs)
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the server ends with the process, never waited on in its destructor
 
 
 if __name__ == "__main__":
