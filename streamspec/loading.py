@@ -98,7 +98,7 @@ def load_for_inference(
             `streamspec.kernels.decode_attention_forward` (`streamspec.kernels`); ignored elsewhere.
         bf16_draft_head: with `cpu_kernels`, a float32 streamed or Medusa model drafts through a
             bfloat16 copy of its LM head (`DecoderParts.use_bf16_draft_head`: the decoded tokens
-            are the same, a pass ~2 ms faster on SmolLM2); ignored where that does not apply.
+            are the same, half the bytes a draft's head reads); ignored where that does not apply.
     """
     from .assets import BUILTIN_PREFIX
 

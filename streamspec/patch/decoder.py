@@ -116,8 +116,8 @@ class DecoderParts(nn.Module):
     def use_bf16_draft_head(self, on: bool = True) -> bool:
         """Draft through a bfloat16 copy of the LM head (`draft_head`), packed for streamspec's CPU
         kernels: on a CPU a draft's LM head reads the whole vocabulary's weights for a few rows,
-        so half the bytes is most of the time saved (SmolLM2-135M: 113 MB of float32, ~2 ms of a
-        ~60 ms float32 pass on this project's CPUs). Only for a float32 model whose LM head is an
+        so half the bytes is most of the time saved (SmolLM2-135M: 113 MB of float32 weights a
+        draft, 57 MB in bf16; docs/benchmarks.md, "Sixteenth session", has the passes' times). Only for a float32 model whose LM head is an
         `nn.Linear` on the CPU, where `streamspec.native`'s kernels run; returns whether it is on.
         The copy is kept outside the module's parameters and state dict (never saved), and made
         again when an eager call finds the LM head's weight changed (a compiled graph keeps the
