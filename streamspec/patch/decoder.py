@@ -132,8 +132,9 @@ class DecoderParts(nn.Module):
                 or lm_head.weight.device.type != "cpu" or torch.bfloat16 not in packed_dtypes() \
                 or native.bf16_linear() is None:
             return False
-        draft = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None,
-                          dtype=torch.bfloat16)
+        # (skip_init: no random initialisation of a vocabulary's weights about to be overwritten)
+        draft = torch.nn.utils.skip_init(nn.Linear, lm_head.in_features, lm_head.out_features,
+                                         bias=lm_head.bias is not None, dtype=torch.bfloat16)
         with torch.no_grad():
             draft.weight.copy_(lm_head.weight)
             if lm_head.bias is not None:
