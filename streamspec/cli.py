@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job: streams on the default model, a short fine-tune, the benchmark")
     demo.add_argument("--example", type=int, default=0, help="index of the Spider dev question to show")
-    demo.add_argument("--steps", type=int, default=12, help="fine-tuning steps (batch 4)")
+    demo.add_argument("--steps", type=int, default=8, help="fine-tuning steps (batch 4)")
     demo.add_argument("--limit", type=int, default=8, help="held-out questions to benchmark the shipped streams on")
     demo.add_argument("--fine-tune-limit", type=int, default=3,
                       help="held-out questions to benchmark the demo's own few-step fine-tune on")
@@ -191,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     ev.add_argument("--skip", nargs="+", default=[], choices=list(SKIPPABLE_ROWS), metavar="ROW",
-                    help="reference rows not to run: baseline_default_kernels (generate on torch's default kernels), "
-                         "streamed_ar (one token a pass); exactness is then checked against generate on the base")
+                    help="rows not to run: baseline_default_kernels (generate on torch's default kernels), "
+                         "streamed_ar (one token a pass; exactness is then checked against generate on the base), "
+                         "tree (the --tree-top-k tree alone; the lookup and pruned rows still grow it)")
     # every row of ours verifies and compiles alike; the tree, lookup, budget and pruning above are
     # the rows' own (with auto: chosen on validation prompts)
     add_decode_arguments(ev, defaults=CLI_DECODE_DEFAULTS, only=EVAL_DECODE_FLAGS)

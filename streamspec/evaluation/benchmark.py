@@ -69,9 +69,11 @@ from .tuning import (  # noqa: F401
     lookup_name,
 )
 
-# Reference rows a caller may leave out (`run_benchmark(skip=...)`): neither is a speculative
-# method; `make demo` leaves them out of its shipped-streams step to stay within its minutes.
-SKIPPABLE_ROWS = ("baseline_default_kernels", "streamed_ar")
+# Rows a caller may leave out (`run_benchmark(skip=...)`): the two reference rows, neither a
+# speculative method, and the fixed tree alone (its shape still shapes the pruned and lookup rows);
+# `make demo` leaves all three out of its shipped-streams step to stay within its minutes (each
+# row a compiled graph is a first compile of ~1 minute on a CPU).
+SKIPPABLE_ROWS = ("baseline_default_kernels", "streamed_ar", "tree")
 
 
 def held_out_rows(task: str, data: str | None = None, split: str = "test", schema_style: str = "spider") -> list[dict]:
@@ -146,9 +148,11 @@ def run_benchmark(
             llama.cpp rows only when a GGUF is known (`gguf`, or the default model's own).
         gguf: the GGUF the llama.cpp rows run (a path; default: the default model's own GGUF when
             the baseline is the default model).
-        skip: reference rows not to run, of `SKIPPABLE_ROWS` (``baseline_default_kernels``,
-            ``streamed_ar``). Without ``streamed_ar`` a lossless checkpoint's rows are still
-            checked token for token against the baseline (``identical_to_baseline``).
+        skip: rows not to run, of `SKIPPABLE_ROWS` (``baseline_default_kernels``, ``streamed_ar``,
+            ``tree``). Without ``streamed_ar`` a lossless checkpoint's rows are still checked token
+            for token against the baseline (``identical_to_baseline``); without ``tree``, the
+            tree shape `tree_top_k` is still the one the ``tree_pruned`` and ``tree_lookup`` rows
+            grow (and the sweep measures its point itself).
     """
     from ..patch.checkpoint import read_checkpoint_meta
     from ..loading import load_for_inference
@@ -254,12 +258,14 @@ def run_benchmark(
         results = run_methods(methods, tokenizer, rows, max_new_tokens, on_prompt=save_partial)
     summary = report(task, rows, results, baseline_is_base=lossless_on_base)
     _peer_summary(summary, results, methods, peers, rows, tokenizer, model, base_model, heads, gguf_of=peer_context)
-    summary["tree"]["tree_top_k"] = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
-    summary["tree"]["tree_chosen_on_validation"] = auto_tree
-    if auto_tree:  # what each candidate did on the validation prompts
-        summary["tree"]["validation"] = tree_table
+    shape = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
+    if "tree" in summary:
+        summary["tree"]["tree_top_k"] = shape
+        summary["tree"]["tree_chosen_on_validation"] = auto_tree
+        if auto_tree:  # what each candidate did on the validation prompts
+            summary["tree"]["validation"] = tree_table
     if threshold is not None:
-        summary["tree_pruned"]["tree_top_k"] = summary["tree"]["tree_top_k"]
+        summary["tree_pruned"]["tree_top_k"] = shape
         summary["tree_pruned"]["prune_threshold"] = threshold
         summary["tree_pruned"]["validation"] = threshold_table
     if tree_budget is not None:
@@ -268,7 +274,7 @@ def run_benchmark(
         if auto_budget:
             summary["tree_confidence"]["validation"] = budget_table
     if lookup is not None:
-        summary["tree_lookup"]["tree_top_k"] = summary["tree"]["tree_top_k"]
+        summary["tree_lookup"]["tree_top_k"] = shape
         summary["tree_lookup"]["lookup"] = lookup_name(lookup)
         summary["tree_lookup"]["lookup_chosen_on_validation"] = auto_lookup
         if auto_lookup:

@@ -142,20 +142,29 @@ def test_generate_command_streams_the_same_text(tiny_dir, tmp_path):
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
 
 
-def test_benchmark_skips_the_reference_rows_asked_and_still_checks_exactness(tiny_dir, tmp_path):
-    """`skip` leaves out the reference rows (what `make demo` does for its minutes); a lossless
-    checkpoint's rows are then checked against `generate` on the base; anything else is refused
-    before a model loads."""
+def test_benchmark_skips_the_rows_asked_and_still_checks_exactness(tiny_dir, tmp_path):
+    """`skip` leaves out the reference rows and the fixed tree (what `make demo` does for its
+    minutes); a lossless checkpoint's rows are then checked against `generate` on the base, the
+    lookup row still grows the tree asked for; anything else is refused before a model loads."""
     from streamspec.evaluation.benchmark import SKIPPABLE_ROWS
 
+    assert set(SKIPPABLE_ROWS) == {"baseline_default_kernels", "streamed_ar", "tree"}
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
     add_streams(base, StreamConfig(stream_layers=2, mode="lossless")).save_pretrained(tmp_path / "ckpt")
-    summary = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=2, tree_top_k=1, thresholds=(), lookup=None,
-                            tree_budget=None, max_new_tokens=6, skip=SKIPPABLE_ROWS)
-    assert set(summary) == {"baseline", "prompt_lookup", "chain", "tree"}
-    assert all(summary[name]["identical_to_baseline"] is True for name in ("chain", "tree"))
-    for bad in (("chain",), "streamed_ar"):
+    summary = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=2, tree_top_k=(2, 1), thresholds=(),
+                            lookup=PromptLookup(4, 1), tree_budget=None, max_new_tokens=6, skip=SKIPPABLE_ROWS,
+                            out_dir=str(tmp_path / "report"))
+    assert set(summary) == {"baseline", "prompt_lookup", "chain", "tree_lookup"}
+    assert summary["tree_lookup"]["tree_top_k"] == [2, 1]
+    assert all(summary[name]["identical_to_baseline"] is True for name in ("chain", "tree_lookup"))
+    assert json.loads((tmp_path / "report" / "benchmark.json").read_text())  # the report is written without the row
+    kept = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=1, tree_top_k=1, thresholds=(), lookup=None,
+                         tree_budget=None, max_new_tokens=4, skip=("streamed_ar",))
+    assert set(kept) == {"baseline", "baseline_default_kernels", "prompt_lookup", "chain", "tree"} - (
+        set() if cpu_kernels_available() else {"baseline_default_kernels"})
+    assert kept["tree"]["tree_top_k"] == 1
+    for bad in (("chain",), "streamed_ar", ("tree_lookup",)):
         with pytest.raises(ValueError, match="skip takes rows of"):
             run_benchmark(str(tmp_path / "no-such-checkpoint"), skip=bad)
 
@@ -171,8 +180,9 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     shown = capsys.readouterr().out
     assert result["shipped"] is None  # the shipped streams are for SmolLM2, not this base
     summary = result["fine_tune"]
-    assert set(summary) >= {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree", "tree_lookup"}
-    assert all(summary[name]["identical_to_autoregressive"] for name in ("chain", "tree"))
+    assert set(summary) >= {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree_lookup"}
+    assert "tree" not in summary  # (the fixed tree alone: left out for the demo's minutes)
+    assert all(summary[name]["identical_to_autoregressive"] for name in ("chain", "tree_lookup"))
     assert "| method |" in shown and "tokens_per_pass.png" in shown
     assert (tmp_path / "demo" / "benchmark" / "benchmark.json").is_file()
     load_streamed(tmp_path / "demo" / "train" / "final")
@@ -204,7 +214,9 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
     assert calls[0] is None and calls[1].compile == "auto"
     # the shipped streams' step runs no reference row (one token a pass would be one more graph to
     # compile); the fine-tune's keeps one token a pass, its exactness reference (shared streams)
-    assert skips == [("baseline_default_kernels",), ("baseline_default_kernels", "streamed_ar")]
+    # (the fixed tree alone either: the confidence tree of its size is the step's tree row)
+    assert skips == [("baseline_default_kernels", "tree"), ("baseline_default_kernels", "streamed_ar", "tree")]
+    assert build_parser().parse_args(["demo"]).steps == 8
     # the shipped streams' lookup: one branch a pass, two padded sizes to compile (7 and 15 nodes)
     assert lookups[1].matches == 1 and lookups[1].tokens == 8
     calls.clear()
