@@ -152,7 +152,7 @@ def run_demo(
                            lookup=SHIPPED_LOOKUP, tree_budget=None, max_new_tokens=max_new_tokens,
                            out_dir=str(out / "benchmark"), device=device, dtype=dtype,
                            skip=FINE_TUNE_SKIPS)
-    print(f"\nA {steps}-step fine-tune barely trains the streams. Trained ones ship with streamspec:")
+    print(f"\n{steps} fine-tuning steps barely train the streams. Trained ones ship with streamspec:")
     shipped = None
     if model is None:
         from .assets import shipped_streams_path
