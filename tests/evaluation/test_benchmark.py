@@ -213,8 +213,8 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
     demo.run_demo(steps=1, limit=1, fine_tune_limit=1, out_dir=tmp_path)
     assert calls[0] is None and calls[1].compile == "auto"
     # the shipped streams' step runs no reference row (one token a pass would be one more graph to
-    # compile); the fine-tune's keeps one token a pass, its exactness reference (shared streams)
-    # (the fixed tree alone either: the confidence tree of its size is the step's tree row)
+    # compile); the fine-tune's keeps one token a pass, its exactness reference (shared streams);
+    # neither runs the fixed tree alone (the confidence tree of its size is the step's tree row)
     assert skips == [("baseline_default_kernels", "tree"), ("baseline_default_kernels", "streamed_ar", "tree")]
     assert build_parser().parse_args(["demo"]).steps == 8
     # the shipped streams' lookup: one branch a pass, two padded sizes to compile (7 and 15 nodes)
