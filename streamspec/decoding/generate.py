@@ -20,7 +20,7 @@ from .cache import MainStreamCache
 from .config import COMPILE_BACKENDS, VERIFY_CHOICES, DecodeConfig, decode_config_of  # noqa: F401 (re-exported)
 from .config import check_generate_args as _check_generate_args
 from .lookup import PromptLookup
-from .loop import _autoregressive, _Clock, _tree, speculate  # noqa: F401 (speculate, _Clock: re-exported)
+from .loop import _autoregressive, _Clock, speculate  # noqa: F401 (speculate, _Clock: re-exported)
 from .output import GenerateOutput, stop_set
 from .sampling import Sampler  # noqa: F401 (re-exported: streamspec.decoding.generate.Sampler)
 
@@ -152,7 +152,11 @@ def generate(
         return out
     g = model.num_drafts
     shape = config.shape(g)
-    cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens + _tree(shape).size * (g + 1))
+    # The text's entries; `speculate` reserves the pass's rows on top (a compiled loop a capacity
+    # rounded to a multiple of 256, one graph for many prompt lengths: reserving the full tree of
+    # `shape` here, larger than a budgeted or lookup pass, made some prompts' buffers a size of
+    # their own, and each such prompt compiled a graph of its own).
+    cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens)
     out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
                           stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
                           lookup=lookup, host_walk=host_walk, tree_budget=tree_budget)

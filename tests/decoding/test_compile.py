@@ -71,6 +71,26 @@ def test_no_recompilation_for_a_new_prompt_length_or_seed(models):
     assert _graphs() == before
 
 
+def test_confidence_trees_share_a_graph_across_prompt_lengths(models, capfd):
+    """A confidence-shaped tree (wide candidates, a small budget) reserves the cache its padded
+    pass needs, rounded to a multiple of 256: two prompt lengths in one such size compile one
+    graph (a capacity sized by the full (4,4,4) tree, 340 rows, made each of these prompts a
+    buffer and a graph of its own), and both decode what the uncompiled loop decodes."""
+    model = models["llama"]
+    confidence = dict(tree_top_k=4, tree_budget=7)  # passes of 7 nodes, 28 rows: a 256-entry cache
+    first, second = random_ids(1, 30, seed=11), random_ids(1, 36, seed=12)
+    capfd.readouterr()
+    out = generate(model, first, 20, compile="aot_eager", **confidence)
+    assert out.tokens.tolist() == generate(model, first, 20, **confidence).tokens.tolist()
+    err = capfd.readouterr().err  # (announced only where this process had not run that graph yet)
+    assert "compiling the decode step" not in err or "trees of up to 7 nodes, cache of 256;" in err
+    before = _graphs()
+    out = generate(model, second, 20, compile="aot_eager", **confidence)
+    assert _graphs() == before, "a new prompt length compiled a graph of its own"
+    assert "compiling the decode step" not in capfd.readouterr().err
+    assert out.tokens.tolist() == generate(model, second, 20, **confidence).tokens.tolist()
+
+
 def test_seeded_sampling_compiled_equals_uncompiled(models):
     model = models["gpt2"]
     ids = random_ids(1, 7, seed=2)
