@@ -105,9 +105,20 @@ class PackedLinear(nn.Linear):
             or torch.is_autocast_enabled("cpu")
         ):
             return F.linear(x, w, b)
+        # (an attribute lookup, not the instance dict's: compiled graphs then guard on it, so a layer
+        # with a split and one without never share a graph)
+        low = getattr(self, "_streamspec_low_rows", None)
+        if low is not None and x.dim() >= 2:
+            full = low.full_rows(self)
+            if full is not None and full < x.shape[-2]:  # the trailing rows through the bf16 copy
+                return torch.cat([self._packed_forward(x[..., :full, :]), low(self, x[..., full:, :])], dim=-2)
+        return self._packed_forward(x)
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
         if torch.compiler.is_compiling():
             # (the shapes are static: the kernel is chosen once, when the graph is traced)
-            if (self.__dict__.get("_streamspec_own", True) and native.ready() and x.shape[-1] == w.shape[1]
+            if (getattr(self, "_streamspec_own", True) and native.ready() and x.shape[-1] == w.shape[1]
                     and x.numel() <= native.MAX_ROWS * x.shape[-1]):
                 return torch.ops.streamspec_native.linear_of(x, w, b)  # the C++ operator, its pack found in C++
             return torch.ops.streamspec.packed_linear(x, w, b)
@@ -119,6 +130,77 @@ class PackedLinear(nn.Linear):
         state = self.__dict__.copy()
         state.pop("_streamspec_packed", None)
         return state
+
+
+def weight_state(weight: torch.Tensor) -> tuple:
+    """What tells a weight changed: the tensor, its storage (moved, cast, ``.data`` replaced), its
+    dtype and its version counter (changed in place)."""
+    return id(weight), weight.data_ptr(), weight.dtype, weight._version
+
+
+def bf16_copy(layer: nn.Linear) -> nn.Linear | None:
+    """A bfloat16 copy of a float32 CPU `layer`, packed for streamspec's kernels (outside any
+    module tree: not a parameter, never saved), or None where those kernels do not run."""
+    if (layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu"
+            or torch.bfloat16 not in packed_dtypes() or native.bf16_linear() is None):
+        return None
+    # (skip_init: no random initialisation of weights about to be overwritten)
+    copy = torch.nn.utils.skip_init(nn.Linear, layer.in_features, layer.out_features, bias=layer.bias is not None,
+                                    dtype=torch.bfloat16)
+    with torch.no_grad():
+        copy.weight.copy_(layer.weight)
+        if layer.bias is not None:
+            copy.bias.copy_(layer.bias)
+    copy.requires_grad_(False)
+    pack_linear_layers(copy)
+    return copy.eval()
+
+
+class LowPrecisionRows:
+    """What `use_low_precision_rows` gives a float32 `PackedLinear`: in its inference calls, the
+    rows after the first ``rows.num_main`` (along the second-to-last dimension; all rows alike
+    while that is None) run through a bfloat16 copy of the layer (`bf16_copy`), their outputs cast
+    back to float32. The leading rows run through the float32 layer as before, and since
+    streamspec's kernels compute each row on its own, their bits are the same as without the
+    split. A streamed model uses it for its stream rows, which only draft
+    (`StreamedModel.use_bf16_stream_rows`). The copy follows the weight: an eager call that finds
+    the weight replaced or changed in place copies it again (or runs every row in float32 where a
+    copy no longer applies); a compiled graph keeps the copy it was traced with."""
+
+    def __init__(self, layer: nn.Linear, rows) -> None:
+        self.rows = rows  # any object with a `num_main` attribute: int or None
+        self.copy = bf16_copy(layer)
+        self.source = weight_state(layer.weight)
+
+    def full_rows(self, layer: nn.Linear) -> int | None:
+        """How many leading rows stay in float32 (None: every row)."""
+        num_main = self.rows.num_main
+        if num_main is None or self.copy is None:
+            return None
+        if not torch.compiler.is_compiling() and self.source != weight_state(layer.weight):
+            self.copy, self.source = bf16_copy(layer), weight_state(layer.weight)
+            if self.copy is None:
+                return None
+        return num_main
+
+    def __call__(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.copy(x.to(torch.bfloat16)).to(x.dtype)
+
+
+def use_low_precision_rows(layers, rows, on: bool = True) -> int:
+    """Give each float32 CPU `PackedLinear` of `layers` a `LowPrecisionRows` split by `rows`
+    (``on=False``: take it away). Returns how many layers have one now."""
+    count = 0
+    for layer in layers:
+        if type(layer) is not PackedLinear:
+            continue
+        layer.__dict__.pop("_streamspec_low_rows", None)
+        if on and layer.weight.dtype == torch.float32:
+            low = LowPrecisionRows(layer, rows)
+            if low.copy is not None:
+                layer.__dict__["_streamspec_low_rows"] = low
+                count += 1
+    return count
 
 
 # Packed weights by the address, shape, strides and dtype of the weight they pack, for the

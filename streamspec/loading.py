@@ -79,6 +79,7 @@ def load_for_inference(
     merge_lora: bool = True,
     cpu_kernels: bool = True,
     bf16_draft_head: bool = True,
+    bf16_stream_rows: bool = True,
 ) -> LoadedModel:
     """Load `source` for decoding.
 
@@ -99,6 +100,10 @@ def load_for_inference(
         bf16_draft_head: with `cpu_kernels`, a float32 streamed or Medusa model drafts through a
             bfloat16 copy of its LM head (`DecoderParts.use_bf16_draft_head`: the decoded tokens
             are the same, half the bytes a draft's head reads); ignored where that does not apply.
+        bf16_stream_rows: with `cpu_kernels`, a float32 streamed model runs its stream rows
+            through bfloat16 copies of the MSA layers' linear layers
+            (`StreamedModel.use_bf16_stream_rows`: the decoded tokens are the same, the drafts'
+            products in half the time); ignored where that does not apply.
     """
     from .assets import BUILTIN_PREFIX
 
@@ -163,6 +168,8 @@ def load_for_inference(
         use_decode_attention(model)
         if bf16_draft_head and hasattr(model, "use_bf16_draft_head"):
             model.use_bf16_draft_head()
+        if bf16_stream_rows and hasattr(model, "use_bf16_stream_rows"):
+            model.use_bf16_stream_rows()
     return LoadedModel(model=model, tokenizer=tokenizer, streamed=streamed, source=name, device=target, dtype=precision)
 
 

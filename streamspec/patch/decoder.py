@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..kernels import bf16_copy
+from ..kernels import weight_state as _weight_state
 from .layout import to_bias
 
 if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
@@ -24,10 +26,6 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def _weight_state(weight: torch.Tensor) -> tuple:
-    """What tells a weight changed: the tensor, its storage (moved, cast, ``.data`` replaced), its
-    dtype and its version counter (changed in place)."""
-    return id(weight), weight.data_ptr(), weight.dtype, weight._version
 
 
 class DecoderParts(nn.Module):
@@ -122,26 +120,13 @@ class DecoderParts(nn.Module):
         The copy is kept outside the module's parameters and state dict (never saved), and made
         again when an eager call finds the LM head's weight changed (a compiled graph keeps the
         copy it was traced with: its drafts may then be worse, never its tokens)."""
-        from .. import native
-        from ..kernels import pack_linear_layers, packed_dtypes
-
         self.__dict__.pop("_bf16_draft_head", None)
         self.__dict__.pop("_bf16_draft_head_source", None)
         lm_head = self.hf_model.get_output_embeddings()
-        if not on or not isinstance(lm_head, nn.Linear) or lm_head.weight.dtype != torch.float32 \
-                or lm_head.weight.device.type != "cpu" or torch.bfloat16 not in packed_dtypes() \
-                or native.bf16_linear() is None:
+        draft = bf16_copy(lm_head) if on and isinstance(lm_head, nn.Linear) else None
+        if draft is None:
             return False
-        # (skip_init: no random initialisation of a vocabulary's weights about to be overwritten)
-        draft = torch.nn.utils.skip_init(nn.Linear, lm_head.in_features, lm_head.out_features,
-                                         bias=lm_head.bias is not None, dtype=torch.bfloat16)
-        with torch.no_grad():
-            draft.weight.copy_(lm_head.weight)
-            if lm_head.bias is not None:
-                draft.bias.copy_(lm_head.bias)
-        draft.requires_grad_(False)
-        pack_linear_layers(draft)
-        self.__dict__["_bf16_draft_head"] = draft.eval()  # (not a submodule: outside the state dict)
+        self.__dict__["_bf16_draft_head"] = draft  # (not a submodule: outside the state dict)
         self.__dict__["_bf16_draft_head_source"] = _weight_state(lm_head.weight)
         return True
 

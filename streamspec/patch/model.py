@@ -185,6 +185,27 @@ class StreamedModel(DecoderParts):
         self._has_stream_modules = False
         remove_stream_modules(self.hf_model)
 
+    def use_bf16_stream_rows(self, on: bool = True) -> bool:
+        """Run the stream rows of a decoding pass through bfloat16 copies of the MSA layers' linear
+        layers (`streamspec.kernels.LowPrecisionRows`), the main rows through the float32 layers as
+        before. Stream rows only draft: the next pass verifies their guesses against the float32
+        main stream, so the tokens decoded are the model's own either way (only which candidates
+        are drafted may differ, at near-ties), and the main rows' bits are unchanged (streamspec's
+        kernels compute each row on its own). In a 7-node confidence tree's pass of the shipped
+        SQL streams, 21 of the 28 rows in each of the 4 MSA layers are stream rows: their products
+        in bf16 take about half the time of float32's (docs/benchmarks.md, "Eighteenth session").
+        Only in lossless mode (in shared mode the main stream attends to the streams, so their
+        rounding would reach the tokens) and for a float32 model packed for streamspec's CPU
+        kernels (`pack_linear_layers`, as `load_for_inference` does on a CPU) where they run in
+        bf16; returns whether it is on.
+        The copies (the MSA layers' linear weights once more, in bf16) are never saved, and are
+        made again when an eager call finds a weight changed (a compiled graph keeps those it was
+        traced with). Training is untouched: calls that record gradients run in float32."""
+        from ..kernels import PackedLinear, use_low_precision_rows
+
+        linears = [m for layer in self.layers[self.num_lower_layers :] for m in layer.modules() if type(m) is PackedLinear]
+        return use_low_precision_rows(linears, self._rows, on and self.stream_config.mode == "lossless") > 0
+
     def save_pretrained(self, directory, merge: bool = False, tokenizer=None):
         """Write a streamed checkpoint: only the new weights (and LoRA adapter), or with
         ``merge=True`` a self-contained folder with the base (LoRA merged). See
@@ -238,7 +259,9 @@ class StreamedModel(DecoderParts):
             cache.main_length = num_main
         rows = {STREAM_ROWS: num_main} if self._has_stream_modules else {}
         for layer in self.layers[self.num_lower_layers :]:
-            self._rows.num_main = None
+            # with stream modules each layer's attention takes the split from its keyword arguments
+            # (`StreamRows`); without, only bf16 stream rows (`use_bf16_stream_rows`) read it, here
+            self._rows.num_main = None if rows else num_main
             x = self._call_layer(layer, x, bias, pos, rotary, cache, **rows)
             if rows and self._rows.num_main != num_main:
                 raise RuntimeError(

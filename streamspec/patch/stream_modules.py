@@ -140,9 +140,12 @@ class StreamAdapter(StreamModule):
         if hasattr(down.weight, "ds_id"):
             # partitioned by DeepSpeed ZeRO-3, which gathers a module's weights around its calls only
             delta = up(down(rows)).to(out.dtype)
-        elif type(down) is PackedLinear and type(up) is PackedLinear and down.weight.dtype == torch.bfloat16:
-            # bf16 layers packed for decoding on a CPU (`streamspec.kernels`): a few rows through
-            # streamspec's kernel, 28 µs for both against 55 through F.linear (3 rows, rank 64, here)
+        elif type(down) is PackedLinear and type(up) is PackedLinear and down.weight.dtype in (torch.bfloat16,
+                                                                                            torch.float32):
+            # layers packed for decoding on a CPU (`streamspec.kernels`): a few rows through
+            # streamspec's kernel, bf16 28 µs for both against 55 through F.linear (3 rows, rank 64);
+            # float32 41 µs against 57 eager (3 rows, two threads of an AMD EPYC), and in a compiled
+            # pass a C++ call each instead of two `aten::mm` (56 a pass, ~2.5 ms of a 7-node tree's 45)
             delta = up(down(rows)).to(out.dtype)
         else:
             # F.linear on the weights: two module calls per linear per pass would cost more than the
