@@ -372,8 +372,11 @@ class _CompileNotice:
 
 
 def _graph_key(model, what, capacity, sampler, backend):
+    # (the bf16 copies a float32 model drafts through are part of its graphs: turning one on or off
+    # traces a new graph, announced like any other)
+    copies = (model.__dict__.get("_bf16_draft_head") is not None, model.__dict__.get("_bf16_stream_rows", False))
     return (id(model), what, capacity, sampler.greedy, getattr(sampler, "temperature", None),
-            getattr(sampler, "top_p", None), getattr(sampler, "top_k", None), backend)
+            getattr(sampler, "top_p", None), getattr(sampler, "top_k", None), backend, copies)
 
 
 _CAPACITY_STEP = 256  # compiled passes attend over buffers of a multiple of this many entries

@@ -99,7 +99,9 @@ class DecoderParts(nn.Module):
         float32 and a bfloat16 copy of the LM head (logits in float32). Drafts are guesses the
         next pass verifies against the float32 head, so the tokens decoded are the same either
         way; only which candidates are drafted may differ, at near-ties."""
-        draft = self.__dict__.get("_bf16_draft_head")
+        # (an attribute lookup, not the instance dict's: compiled graphs then guard on it, so a model
+        # drafting through the copy and one without never share a graph)
+        draft = getattr(self, "_bf16_draft_head", None)
         if draft is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return self.head(hidden)
         lm_head = self.hf_model.get_output_embeddings()

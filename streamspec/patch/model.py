@@ -204,7 +204,9 @@ class StreamedModel(DecoderParts):
         from ..kernels import PackedLinear, use_low_precision_rows
 
         linears = [m for layer in self.layers[self.num_lower_layers :] for m in layer.modules() if type(m) is PackedLinear]
-        return use_low_precision_rows(linears, self._rows, on and self.stream_config.mode == "lossless") > 0
+        split = use_low_precision_rows(linears, self._rows, on and self.stream_config.mode == "lossless") > 0
+        self.__dict__["_bf16_stream_rows"] = split  # (read by the compiled loops' graph keys)
+        return split
 
     def save_pretrained(self, directory, merge: bool = False, tokenizer=None):
         """Write a streamed checkpoint: only the new weights (and LoRA adapter), or with

@@ -125,3 +125,23 @@ def test_load_for_inference_runs_stream_rows_in_bf16_for_float32_on_the_cpu(tiny
     assert split(dtype="float32", bf16_stream_rows=False) == 0
     assert split(dtype="bfloat16") == 0
     assert split(dtype="float32", cpu_kernels=False) == 0
+
+
+def test_turning_the_bf16_copies_on_announces_a_graph_of_their_own(capfd):
+    """A compiled loop's graph includes the bf16 copies a float32 model drafts through: turning
+    them on traces a new graph, announced as such, and the tokens stay the model's own."""
+    model = _streamed()
+    ids = random_ids(1, 12, seed=5)
+    reference = generate_autoregressive(model, ids, 16).tolist()
+
+    def compiled() -> str:
+        assert generate(model, ids, 16, tree_top_k=1, compile="aot_eager").tokens.tolist() == reference
+        return capfd.readouterr().err
+
+    assert "compiling the decode step" in compiled()
+    assert "compiling the decode step" not in compiled()  # the same graph again
+    assert model.use_bf16_stream_rows()
+    assert "compiling the decode step" in compiled()
+    assert model.use_bf16_draft_head()
+    assert "compiling the decode step" in compiled()
+    assert "compiling the decode step" not in compiled()

@@ -84,3 +84,17 @@ def test_load_for_inference_drafts_in_bf16_for_float32_on_the_cpu(tiny_dir, tmp_
     assert "_bf16_draft_head" not in load_for_inference(tmp_path / "ckpt", dtype="bfloat16").model.__dict__
     assert "_bf16_draft_head" not in load_for_inference(tmp_path / "ckpt", dtype="float32",
                                                         cpu_kernels=False).model.__dict__
+
+
+def test_a_compiled_draft_head_tells_a_model_with_the_copy_from_one_without():
+    """The copy is read through an attribute compiled graphs guard on: the same compiled function
+    over a model drafting in bf16 and one without gives each its own logits, never the other's graph."""
+    with_copy, without = _streamed(), _streamed()
+    assert with_copy.use_bf16_draft_head()
+    hidden = torch.randn(3, without.config.hidden_size)
+    step = torch.compile(lambda model, h: model.draft_head(h), backend="aot_eager", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        plain, drafted = step(without, hidden), step(with_copy, hidden)
+        assert torch.equal(plain, without.head(hidden))
+        assert torch.equal(drafted, with_copy.draft_head(hidden))
+        assert not torch.equal(drafted, plain)
