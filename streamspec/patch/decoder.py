@@ -26,8 +26,6 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-
-
 class DecoderParts(nn.Module):
     """The causal LM's own modules, and the forward through its lower layers."""
 
