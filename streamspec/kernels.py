@@ -138,10 +138,10 @@ def weight_state(weight: torch.Tensor) -> tuple:
     return id(weight), weight.data_ptr(), weight.dtype, weight._version
 
 
-def bf16_copy(layer: nn.Linear) -> nn.Linear | None:
-    """A bfloat16 copy of a float32 CPU `layer`, packed for streamspec's kernels (outside any
+def bf16_copy(layer: nn.Module) -> nn.Linear | None:
+    """A bfloat16 copy of a float32 CPU `nn.Linear`, packed for streamspec's kernels (outside any
     module tree: not a parameter, never saved), or None where those kernels do not run."""
-    if (layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu"
+    if (not isinstance(layer, nn.Linear) or layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu"
             or torch.bfloat16 not in packed_dtypes() or native.bf16_linear() is None):
         return None
     # (skip_init: no random initialisation of weights about to be overwritten)
@@ -156,31 +156,41 @@ def bf16_copy(layer: nn.Linear) -> nn.Linear | None:
     return copy.eval()
 
 
-class LowPrecisionRows:
-    """What `use_low_precision_rows` gives a float32 `PackedLinear`: in its inference calls, the
-    rows after the first ``rows.num_main`` (along the second-to-last dimension; all rows alike
-    while that is None) run through a bfloat16 copy of the layer (`bf16_copy`), their outputs cast
-    back to float32. The leading rows run through the float32 layer as before, and since
-    streamspec's kernels compute each row on its own, their bits are the same as without the
-    split. A streamed model uses it for its stream rows, which only draft
-    (`StreamedModel.use_bf16_stream_rows`). The copy follows the weight: an eager call that finds
-    the weight replaced or changed in place copies it again (or runs every row in float32 where a
-    copy no longer applies); a compiled graph keeps the copy it was traced with."""
+class Bf16Copy:
+    """A `bf16_copy` of a layer that follows the layer's weight: `of` finds, in an eager call, the
+    weight replaced (moved, cast, ``.data`` set) or changed in place and copies it again (None
+    where a copy no longer applies, until it does again); a compiled graph keeps the copy it was
+    traced with (drafts from it may then be worse, never the tokens a float32 pass verifies)."""
 
-    def __init__(self, layer: nn.Linear, rows) -> None:
-        self.rows = rows  # any object with a `num_main` attribute: int or None
+    def __init__(self, layer: nn.Module) -> None:
         self.copy = bf16_copy(layer)
         self.source = weight_state(layer.weight)
+
+    def of(self, layer: nn.Module) -> nn.Linear | None:
+        """The copy of `layer` as it is now (None: none applies)."""
+        if not torch.compiler.is_compiling() and self.source != weight_state(layer.weight):
+            self.copy, self.source = bf16_copy(layer), weight_state(layer.weight)
+        return self.copy
+
+
+class LowPrecisionRows(Bf16Copy):
+    """What `use_low_precision_rows` gives a float32 `PackedLinear`: in its inference calls, the
+    rows after the first ``rows.num_main`` (along the second-to-last dimension; all rows alike
+    while that is None) run through a bfloat16 copy of the layer (`Bf16Copy`, which follows the
+    weight), their outputs cast back to float32. The leading rows run through the float32 layer
+    as before, and since streamspec's kernels compute each row on its own, their bits are the same
+    as without the split. A streamed model uses it for its stream rows, which only draft
+    (`StreamedModel.use_bf16_stream_rows`)."""
+
+    def __init__(self, layer: nn.Linear, rows) -> None:
+        super().__init__(layer)
+        self.rows = rows  # any object with a `num_main` attribute: int or None
 
     def full_rows(self, layer: nn.Linear) -> int | None:
         """How many leading rows stay in float32 (None: every row)."""
         num_main = self.rows.num_main
-        if num_main is None or self.copy is None:
+        if num_main is None or self.of(layer) is None:
             return None
-        if not torch.compiler.is_compiling() and self.source != weight_state(layer.weight):
-            self.copy, self.source = bf16_copy(layer), weight_state(layer.weight)
-            if self.copy is None:
-                return None
         return num_main
 
     def __call__(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +205,7 @@ def use_low_precision_rows(layers, rows, on: bool = True) -> int:
         if type(layer) is not PackedLinear:
             continue
         layer.__dict__.pop("_streamspec_low_rows", None)
-        if on and layer.weight.dtype == torch.float32:
+        if on:
             low = LowPrecisionRows(layer, rows)
             if low.copy is not None:
                 layer.__dict__["_streamspec_low_rows"] = low

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..kernels import bf16_copy
-from ..kernels import weight_state as _weight_state
+from ..kernels import Bf16Copy
 from .layout import to_bias
 
 if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
@@ -99,15 +98,12 @@ class DecoderParts(nn.Module):
         way; only which candidates are drafted may differ, at near-ties."""
         # (an attribute lookup, not the instance dict's: compiled graphs then guard on it, so a model
         # drafting through the copy and one without never share a graph)
-        draft = getattr(self, "_bf16_draft_head", None)
-        if draft is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        follow = getattr(self, "_bf16_draft_head", None)
+        if follow is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return self.head(hidden)
-        lm_head = self.hf_model.get_output_embeddings()
-        if not torch.compiler.is_compiling() and self.__dict__["_bf16_draft_head_source"] != _weight_state(lm_head.weight):
-            # the LM head was replaced (moved, cast) or changed in place: copied again where it still applies
-            if not self.use_bf16_draft_head():
-                return self.head(hidden)
-            draft = self.__dict__["_bf16_draft_head"]
+        draft = follow.of(self.hf_model.get_output_embeddings())
+        if draft is None:  # the LM head was moved or cast where no copy applies
+            return self.head(hidden)
         norm = getattr(self.decoder, self.arch.norm)
         return draft(norm(hidden).to(torch.bfloat16)).float()
 
@@ -121,13 +117,10 @@ class DecoderParts(nn.Module):
         again when an eager call finds the LM head's weight changed (a compiled graph keeps the
         copy it was traced with: its drafts may then be worse, never its tokens)."""
         self.__dict__.pop("_bf16_draft_head", None)
-        self.__dict__.pop("_bf16_draft_head_source", None)
-        lm_head = self.hf_model.get_output_embeddings()
-        draft = bf16_copy(lm_head) if on and isinstance(lm_head, nn.Linear) else None
-        if draft is None:
+        follow = Bf16Copy(self.hf_model.get_output_embeddings()) if on else None
+        if follow is None or follow.copy is None:
             return False
-        self.__dict__["_bf16_draft_head"] = draft  # (not a submodule: outside the state dict)
-        self.__dict__["_bf16_draft_head_source"] = _weight_state(lm_head.weight)
+        self.__dict__["_bf16_draft_head"] = follow  # (not a submodule: outside the state dict)
         return True
 
     def _call_layer(self, layer, hidden, bias, position_ids, position_embeddings, cache, **kwargs):
