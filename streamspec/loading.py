@@ -103,7 +103,7 @@ def load_for_inference(
         bf16_stream_rows: with `cpu_kernels`, a float32 streamed model runs its stream rows
             through bfloat16 copies of the MSA layers' linear layers
             (`StreamedModel.use_bf16_stream_rows`: the decoded tokens are the same, the drafts'
-            products in half the time); ignored where that does not apply.
+            products read bf16 weights); ignored where that does not apply.
     """
     from .assets import BUILTIN_PREFIX
 
