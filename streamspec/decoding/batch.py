@@ -43,7 +43,7 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
     n = 1 + g
     # A row stores at most n entries per pass and passes stop once every row has max_new_tokens.
     if compile_backend is not None:
-        from .compiled import compiled_capacity
+        from .graphs import compiled_capacity
 
         # one graph for the whole generation: the buffers never grow (a multiple of 256 entries,
         # so prompts of similar lengths share it)
@@ -80,7 +80,8 @@ def generate_batch(model, input_ids, attention_mask, max_new_tokens, sampler, st
 
     compiled = None
     if compile_backend is not None:
-        from .compiled import _CompileNotice, _checked_once, _compiled_batch_pass, _graph_key
+        from .compiled import _compiled_batch_pass
+        from .graphs import CompileNotice as _CompileNotice, checked_once as _checked_once, graph_key as _graph_key
 
         compiled = _compiled_batch_pass(compile_backend, device.type)
         key = torch.tensor(0 if sampler.greedy else sampler.key(), dtype=torch.long, device=device)

@@ -21,6 +21,7 @@ from .config import COMPILE_BACKENDS, VERIFY_CHOICES, DecodeConfig, decode_confi
 from .config import check_generate_args as _check_generate_args
 from .lookup import PromptLookup
 from .loop import _autoregressive, _Clock, speculate  # noqa: F401 (speculate, _Clock: re-exported)
+from .speculation import Speculation
 from .output import GenerateOutput, stop_set
 from .sampling import Sampler  # noqa: F401 (re-exported: streamspec.decoding.generate.Sampler)
 
@@ -157,9 +158,10 @@ def generate(
     # `shape` here, larger than a budgeted or lookup pass, made some prompts' buffers a size of
     # their own, and each such prompt compiled a graph of its own).
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens)
-    out, _, _ = speculate(model, cache, 0, input_ids, max_new_tokens, sampler, shape, prune_threshold,
-                          stop_set(eos_token_id), on_tokens, _Clock(input_ids.device, profile), compile=backend or False,
-                          lookup=lookup, host_walk=host_walk, tree_budget=tree_budget)
+    run = Speculation(max_new_tokens, sampler, shape, stop=stop_set(eos_token_id), on_tokens=on_tokens,
+                      clock=_Clock(input_ids.device, profile), compile=backend, prune_threshold=prune_threshold,
+                      lookup=lookup, tree_budget=tree_budget, host_walk=host_walk)
+    out, _, _ = speculate(model, cache, 0, input_ids, run)
     return out
 
 

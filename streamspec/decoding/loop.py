@@ -1,26 +1,32 @@
 """The decode loops of one sequence: one token per pass (`autoregressive`) and speculative
-streaming (`speculate`): draft, one model pass, verify, one read, commit.
+streaming (`speculate`). Each pass reads top to bottom as gpt-fast's loop does: draft, one model
+pass, verify, one read, commit.
+
+`speculate` prefills, then hands the passes to one of three loops: the compiled fixed tree
+(`streamspec.decoding.compiled.speculate_compiled`: everything of a pass on the device in one
+graph call, one read), the compiled host-built tree (lookup branches, confidence budgets:
+`speculate_compiled_host`) or the uncompiled loop here (`_speculate_eager`: pruning, the host
+walk, and trees built on the host too).
 """
 
 from __future__ import annotations
 
 import math
-import time
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
 
 import torch
 
 from ..patch.layout import causal, main_allowed
 from ..patch.model import StreamedModel
 from .cache import MainStreamCache
-from .compiled import _compile_backend, compiled_capacity, speculate_compiled as _speculate_compiled
-from .compiled import speculate_compiled_host as _speculate_compiled_host
+from .compiled import speculate_compiled, speculate_compiled_host
 from .config import DecodeConfig
+from .graphs import compiled_capacity
 from .lookup import NgramIndex, PromptLookup, StreamTreeOnHost
-from .output import (GenerateOutput, _within_limits, commit_pass, pack_host_read, read_to_host, record_pass,
-                     split_host_read, stop_set)
+from .output import GenerateOutput, pack_host_read, record_pass, split_host_read, stop_set
 from .sampling import Sampler
+from .speculation import Clock, Prefilled, Speculation, commit_tokens, finish
 from .tree import DraftTree, build_tree, children_of, prune_by_transition, tree_from_parents
 from .verify import verify_on_device as _verify, walk_on_host as _walk
 
@@ -30,7 +36,7 @@ def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, pro
     choose = sampler or Sampler(device=input_ids.device)
     stop = stop_set(eos_token_id)
     device = input_ids.device
-    clock = _Clock(device, profile)
+    clock = Clock(device, profile)
     cache = MainStreamCache(len(model.layers), capacity=input_ids.shape[1] + max_new_tokens)
     one_slot = torch.zeros(1, 1, dtype=torch.long, device=device)  # streams at the last new position
     valid = torch.ones(1, 1, dtype=torch.bool, device=device)
@@ -46,7 +52,7 @@ def _autoregressive(model, input_ids, max_new_tokens, eos_token_id, sampler, pro
         main, _ = model.step(tokens, positions, main_ok, one_slot + (n - 1), cache, valid)
         forward_done = clock()
         token = choose(model.head(main[0, -1:]), positions[0, -1:] + 1)  # [1], on the device
-        value = read_to_host(token)[0]
+        value = out.read(token)[0]
         generated.append(value)
         end = clock()
         out.seconds_per_pass.append(end - start)
@@ -84,191 +90,192 @@ def _lookup_nodes(stream_nodes: int, lookup: PromptLookup) -> int:
     return most if lookup.budget is None else max(stream_nodes, min(most, lookup.budget))
 
 
-def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor, max_new_tokens: int,
-              sampler: Sampler, shape: tuple[int, ...], prune_threshold: float | None, stop: set[int],
-              on_tokens: Callable[[list[int]], bool | None] | None, clock: "_Clock",
-              compile: bool | str = False, lookup: PromptLookup | None = None,
-              history: list[int] | None = None, host_walk: bool = False,
-              tree_budget: int | None = None) -> tuple[GenerateOutput, int, list[int]]:
+def speculate(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor,
+              run: Speculation) -> tuple[GenerateOutput, int, list[int]]:
     """The speculative-streaming loop of one sequence, from a cache that already holds `past`
-    entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache).
-    Arguments are checked by the caller. Returns the output, how many entries the cache then
-    holds and the output's tokens as a list (read on the host already). The cache holds every
-    token up to, not including, the last one generated (whose entries the next pass would
-    write), before any cut by `max_new_tokens` or a stop token; a caller that keeps the cache
-    crops it to the tokens it keeps (`DecodingSession` does).
+    entries and the tokens `new_ids` [1, n >= 1] that follow them (the prompt, for a fresh cache),
+    decoding as `run` says (checked by the caller). Returns the output, how many entries the
+    cache then holds and the output's tokens as a list (read on the host already). The cache
+    holds every token up to, not including, the last one generated (whose entries the next pass
+    would write), before any cut by `max_new_tokens` or a stop token; a caller that keeps the
+    cache crops it to the tokens it keeps (`DecodingSession` does).
 
-    Each pass runs on the device from the draft tree's tokens to the next one's (see `_verify`);
-    the host reads one small vector per pass, the accepted tokens and their count, to call
-    `on_tokens`, test for stop tokens and set the cache's length. Early-exit pruning reads one
-    thing more, the number of nodes kept, since the rest of the pass runs on that many rows.
-
-    With `compile` (True or a backend name; see `generate`), every pass after the prefill is one
-    call of the compiled `_tree_pass` over the cache's whole buffers (with lookup branches or a
-    tree budget, of `_host_tree_pass` over the host's tree, padded); `prune_threshold` must then
-    be None.
-
-    With `host_walk`, a pass verifies with `_walk` instead (see `generate`'s ``verify``). With
-    `tree_budget`, each pass's stream tree is grown by confidence (`grow_tree`) on the host from
-    the candidates' scores, which the pass's read then carries too.
-
-    With `lookup`, each pass's tree is the stream tree with the lookup branches merged in
-    (`streamspec.decoding.lookup`), built on the host from the tokens it has read: the pass's one read
-    then carries the next stream candidates too. `history` is the text before `new_ids` (the
-    tokens whose entries the cache holds) for the lookup; `generate` has none.
+    Each pass runs on the device from the draft tree's tokens to the next one's; the host reads
+    one small vector per pass (the accepted tokens and their count, and for a tree built on the
+    host the next candidates and scores) to call `on_tokens`, test for stop tokens and count the
+    cache's entries. Early-exit pruning reads one thing more, the number of nodes kept; the host
+    walk reads at each node it visits.
     """
-    device = new_ids.device
-    tree = _tree(shape).to(device)
-    num_parents = sum(math.prod(shape[:d]) for d in range(len(shape)))  # nodes above the last depth
-    width = max(shape)
-    depth_limit = tree.depth_limit
-    lower_layers = range(model.num_lower_layers)
-    upper_layers = range(model.num_lower_layers, len(model.layers))
-    out = GenerateOutput(tokens=new_ids.new_zeros(1, 0), forward_passes=0)
-    backend = _compile_backend(compile)
-    stream_nodes = tree.size if tree_budget is None else min(tree_budget, tree.size)
-    most_nodes = stream_nodes if lookup is None else _lookup_nodes(stream_nodes, lookup)
-    host_tree = lookup is not None or tree_budget is not None
+    tree = _tree(run.shape).to(new_ids.device)
+    width = max(run.shape)
+    stream_nodes = tree.size if run.tree_budget is None else min(run.tree_budget, tree.size)
+    most_nodes = stream_nodes if run.lookup is None else _lookup_nodes(stream_nodes, run.lookup)
+    text_entries = past + new_ids.shape[1] + run.max_new_tokens
     rows = most_nodes * (1 + model.num_drafts)
-    needed = past + new_ids.shape[1] + max_new_tokens + rows
-    if backend is not None:
-        DecodeConfig(compile=backend, prune_threshold=prune_threshold)  # refuses pruning with compile
-        needed = compiled_capacity(past + new_ids.shape[1] + max_new_tokens, rows)  # few capacities: few compilations
-    cache.reserve(needed)
+    if run.compile is not None:
+        DecodeConfig(compile=run.compile, prune_threshold=run.prune_threshold)  # refuses pruning with compile
+        cache.reserve(compiled_capacity(text_entries, rows))  # few capacities: few compilations
+    else:
+        cache.reserve(text_entries + rows)
+    first = _prefill(model, cache, past, new_ids, run, tree.depth_limit, width)
+    if run.compile is not None and run.host_tree:
+        return speculate_compiled_host(model, cache, run, first, _host_tree(run.shape), most_nodes, width)
+    if run.compile is not None:
+        return speculate_compiled(model, cache, run, first, tree, width)
+    return _speculate_eager(model, cache, run, first, tree, width, most_nodes)
 
-    # Prefill: streams at the last new position give the root and the first draft, from one
-    # LM-head call over the main row and the stream rows the draft reads.
-    start = clock()
+
+def _prefill(model: StreamedModel, cache: MainStreamCache, past: int, new_ids: torch.Tensor, run: Speculation,
+             depth: int, width: int) -> Prefilled:
+    """The first pass: the new tokens through the model, streams at the last one; one LM-head
+    call over its main row and the stream rows the draft reads gives the root and the first
+    draft. One read: the root (with the candidates and scores when the host builds the trees)."""
+    device = new_ids.device
+    out = GenerateOutput(tokens=new_ids.new_zeros(1, 0), forward_passes=0)
+    start = run.clock()
     length = new_ids.shape[1]
     positions = torch.arange(past, past + length, device=device)[None]
     main_ok = main_allowed(causal(length, device), torch.ones(1, past + length, dtype=torch.bool, device=device))
     last = torch.full((1, 1), length - 1, dtype=torch.long, device=device)
     main, streams = model.step(new_ids, positions, main_ok, last, cache)
-    forward_done = clock()
-    logits = model.head(torch.cat([main[0, -1:], streams[0, 0, :depth_limit]], dim=0))  # [1 + depth, V]
-    root = sampler(logits[:1], positions[0, -1:] + 1)  # [1]: the token at index past + length
+    forward_done = run.clock()
+    logits = model.head(torch.cat([main[0, -1:], streams[0, 0, :depth]], dim=0))  # [1 + depth, V]
+    root = run.sampler(logits[:1], positions[0, -1:] + 1)  # [1]: the token at index past + length
     candidates = logits[1:].topk(width, dim=-1).indices
-    scores = logits[1:].log_softmax(-1).gather(-1, candidates) if tree_budget is not None else None
-    generated = read_to_host(root)
-    stopped = on_tokens is not None and bool(on_tokens(list(generated)))
-    end = clock()
+    first = Prefilled(out, [], past + length, root, candidates, ended=False)
+    if run.host_tree:  # the first draft's tokens (and scores) too, for the host to build the tree from
+        scores = logits[1:].log_softmax(-1).gather(-1, candidates) if run.tree_budget is not None else None
+        summary, first.host_candidates, first.host_scores = split_host_read(
+            out.read(pack_host_read(root, candidates, scores)), 1, width, depth, scores is not None)
+    else:
+        summary = out.read(root)
+    first.ended = commit_tokens(run, first.generated, summary[:1])
+    if run.lookup is not None:
+        first.text = NgramIndex(run.lookup.ngram)
+        first.text.extend(list(run.history or []) + new_ids[0].tolist() + first.generated)
+    end = run.clock()
     out.forward_passes, out.accepted_per_pass, out.seconds_per_pass = 1, [1], [end - start]
     out.forward_seconds_per_pass, out.head_seconds_per_pass = [forward_done - start], [end - forward_done]
-    past += length
+    return first
+
+
+@dataclass
+class _Draft:
+    """The uncompiled loop's draft between passes: on the device the root and candidates, on the
+    host (trees built there) their copies and scores."""
+
+    root: torch.Tensor
+    candidates: torch.Tensor
+    host_candidates: list[list[int]] | None = None
+    host_scores: list[list[float]] | None = None
+    children: list[list[int]] | None = field(default=None)
+
+
+def _speculate_eager(model: StreamedModel, cache: MainStreamCache, run: Speculation, first: Prefilled,
+                     tree: DraftTree, width: int, most_nodes: int):
+    """`speculate` after the prefill, uncompiled: per pass the draft tree (fixed, or built on the
+    host), the lower layers, pruning, the MSA layers, verification (on the device, one read; or
+    the host walk), and the commit of the accepted path's entries and tokens."""
+    device = first.root.device
+    out, generated, past, ended, text = first.out, first.generated, first.past, first.ended, first.text
+    draft = _Draft(first.root, first.candidates, first.host_candidates, first.host_scores)
+    lower_layers = range(model.num_lower_layers)
+    upper_layers = range(model.num_lower_layers, len(model.layers))
     all_nodes = torch.arange(most_nodes, device=device)
     all_valid = torch.ones(1, most_nodes, dtype=torch.bool, device=device)
-    everything, every_slot_valid = all_nodes[: tree.size], all_valid[:, : tree.size]
-    ones = torch.ones(1, past + max_new_tokens + most_nodes, dtype=torch.bool, device=device)
-    tree_ok = tree.ancestors[None]
-    if lookup is not None:
-        text = NgramIndex(lookup.ngram)
-        text.extend(list(history or []) + new_ids[0].tolist() + generated)
-    if host_tree:  # the first draft's tokens (and scores), for the host to build the tree from
-        stream_tree = _host_tree(shape)
-        host_candidates = read_to_host(candidates)
-        host_scores = read_to_host(scores) if scores is not None else None
-
-    ended = generated[0] in stop or stopped
-    if backend is not None and host_tree:
-        return _speculate_compiled_host(model, cache, past, generated, ended, max_new_tokens, sampler, shape,
-                                        stream_tree, host_candidates, host_scores, tree_budget, lookup,
-                                        text if lookup is not None else None, most_nodes, width, stop, on_tokens,
-                                        clock, backend, out, new_ids)
-    if backend is not None:
-        return _speculate_compiled(model, cache, past, root, candidates, generated, ended, max_new_tokens, sampler,
-                                   tree, width, stop, on_tokens, clock, backend, out, new_ids)
-    step_tree = tree
-    full_children = _children(shape) if host_walk else None
-    children = full_children
-    while len(generated) < max_new_tokens and not ended:
-        start = clock()
-        head_seconds = 0.0
-        if not host_tree:
-            tokens = tree.tokens(root[0], candidates)
-        else:  # the stream tree (fixed, or grown by confidence) with any lookup branches merged in
-            base = stream_tree if tree_budget is None else StreamTreeOnHost.grown(host_scores, tree_budget)
-            branches = text.continuations(lookup) if lookup is not None else []
-            parents, host_tokens = base.with_branches(generated[-1], host_candidates, branches,
-                                                      lookup.budget if lookup is not None else None)
-            fixed = base is stream_tree and len(parents) == tree.size
-            step_tree = tree if fixed else tree_from_parents(parents, depth_limit, shape).to(device)
-            children = full_children if step_tree is tree or not host_walk else children_of(parents)
-            tokens = torch.tensor(host_tokens, dtype=new_ids.dtype, device=device)
-            everything, every_slot_valid = all_nodes[: step_tree.size], all_valid[:, : step_tree.size]
-            tree_ok = step_tree.ancestors[None]
+    ones = torch.ones(1, past + run.max_new_tokens + most_nodes, dtype=torch.bool, device=device)
+    while len(generated) < run.max_new_tokens and not ended:
+        start = run.clock()
+        step_tree, tokens = _draft_tree(run, tree, draft, generated, text)
         positions = (past + step_tree.depth)[None]
-        lower = model.run_lower(tokens[None], positions, main_allowed(tree_ok, ones[:, : past + step_tree.size]), cache)
-        kept, sub, sub_ok = everything, step_tree, tree_ok
-        if prune_threshold is not None:
+        lower = model.run_lower(tokens[None], positions, main_allowed(step_tree.ancestors[None],
+                                                                      ones[:, : past + step_tree.size]), cache)
+        kept, sub, head_seconds = all_nodes[: step_tree.size], step_tree, 0.0
+        if run.prune_threshold is not None:
             # Only parents' transition rows are read: no full-vocabulary logits for the leaves.
-            mark = clock()
+            mark = run.clock()
+            num_parents = sum(math.prod(run.shape[:d]) for d in range(len(run.shape)))
             early = model.early_exit_head(lower[0, :num_parents]).log_softmax(-1)
-            kept = prune_by_transition(tree, tokens, early, prune_threshold)  # the one extra read: its size
-            head_seconds += clock() - mark
+            kept = prune_by_transition(tree, tokens, early, run.prune_threshold)  # the one extra read: its size
+            head_seconds += run.clock() - mark
             if len(kept) < tree.size:
                 sub = tree.subset(kept)
-                sub_ok = sub.ancestors[None]
                 lower, positions = lower[:, kept], positions[:, kept]
-                if host_walk:
-                    children = sub.children()
-            elif host_walk:
-                children = full_children
+                if run.host_walk:
+                    draft.children = sub.children()
         n = sub.size
-        slots = everything[None, :n]
-        main, streams = model.run_upper(
-            lower, positions, main_allowed(sub_ok, ones[:, : past + n]), slots, every_slot_valid[:, :n], cache
-        )
-        forward_done = clock()
-        if host_walk:
-            node_tokens = read_to_host(tokens[kept])
-            walked, root, stream_logits = _walk(model, main, streams, children, node_tokens, positions[0] + 1, sampler,
-                                                depth_limit)
-            candidates = stream_logits.topk(width, dim=-1).indices
-            new = [node_tokens[i] for i in walked[1:]] + read_to_host(root)
-            path = torch.tensor(walked, device=device)
-            if host_tree:
-                host_candidates = read_to_host(candidates)
-                if tree_budget is not None:
-                    host_scores = read_to_host(stream_logits.log_softmax(-1).gather(-1, candidates))
-        else:
-            verified = _verify(model, main, streams, sub, tokens[kept], positions[0] + 1, sampler, width,
-                               draft_depth=depth_limit, with_scores=tree_budget is not None)
-            path, accepted, root, candidates = verified[:4]
-            scores = verified[4] if tree_budget is not None else None
-            if not host_tree:
-                summary = read_to_host(accepted)  # [depth of the deepest accepted node, its path's tokens...]
-            else:  # ... and the next candidates (and scores) to build the next tree from: still one read
-                summary, host_candidates, next_scores = split_host_read(
-                    read_to_host(pack_host_read(accepted, candidates, scores)), len(accepted), width, depth_limit,
-                    scores is not None)
-                if scores is not None:
-                    host_scores = next_scores
-            new = summary[1 : summary[0] + 2]
-        head_done = clock()
-        # commit: the accepted path's entries (lower layers: of the nodes kept by pruning), the tokens
-        past, ended = commit_pass(cache, past, new, ((kept[path], lower_layers), (path, upper_layers)), generated,
-                                  max_new_tokens, stop, on_tokens)
-        if lookup is not None:
+        main, streams = model.run_upper(lower, positions, main_allowed(sub.ancestors[None], ones[:, : past + n]),
+                                        all_nodes[None, :n], all_valid[:, :n], cache)
+        forward_done = run.clock()
+        new, path = _verify_and_read(model, run, out, draft, main, streams, sub, tokens[kept], positions[0] + 1, width,
+                                     tree.depth_limit)
+        head_done = run.clock()
+        cache.keep(past, kept[path], lower_layers, length=len(new))  # lower layers: of the nodes kept by pruning
+        cache.keep(past, path, upper_layers, length=len(new))
+        past += len(new)
+        ended = commit_tokens(run, generated, new)
+        if text is not None:
             text.extend(new)
-        record_pass(out, new, (step_tree.size, n), start, forward_done, head_done, clock(), head_seconds)
-
-    kept_tokens = _within_limits(generated, 0, max_new_tokens, stop)
-    out.tokens = torch.tensor([kept_tokens], dtype=new_ids.dtype, device=device)
-    return out, past, kept_tokens
+        record_pass(out, new, (step_tree.size, n), start, forward_done, head_done, run.clock(), head_seconds)
+    return finish(out, run, generated, past, first.root)
 
 
-class _Clock:
-    """perf_counter, after waiting for the device when profiling on an accelerator (there kernels
-    run asynchronously, so unsynchronised times only say when work was queued)."""
+def _draft_tree(run: Speculation, tree: DraftTree, draft: _Draft, generated: list[int], text):
+    """This pass's tree and its tokens [N]: the fixed stream tree on the device, or the stream
+    tree (fixed, or grown by confidence) with any lookup branches merged in, built on the host.
+    Sets the tree's children for the host walk."""
+    full_children = _children(run.shape) if run.host_walk else None
+    if not run.host_tree:
+        draft.children = full_children
+        return tree, tree.tokens(draft.root[0], draft.candidates)
+    stream_tree = _host_tree(run.shape)
+    base = stream_tree if run.tree_budget is None else StreamTreeOnHost.grown(draft.host_scores, run.tree_budget)
+    lookup = run.lookup
+    branches = text.continuations(lookup) if lookup is not None else []
+    parents, host_tokens = base.with_branches(generated[-1], draft.host_candidates, branches,
+                                              lookup.budget if lookup is not None else None)
+    fixed = base is stream_tree and len(parents) == tree.size
+    device = draft.root.device
+    step_tree = tree if fixed else tree_from_parents(parents, tree.depth_limit, run.shape).to(device)
+    draft.children = full_children if step_tree is tree or not run.host_walk else children_of(parents)
+    return step_tree, torch.tensor(host_tokens, dtype=torch.long, device=device)
 
-    def __init__(self, device: torch.device, profile: bool) -> None:
-        self.sync = profile and device.type == "cuda"
 
-    def __call__(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+def _verify_and_read(model, run: Speculation, out: GenerateOutput, draft: _Draft, main, streams, tree: DraftTree,
+                     tokens: torch.Tensor, next_index: torch.Tensor, width: int, depth: int):
+    """Verify a pass and read what the host needs: on the device (`_verify`, one read) or by the
+    host walk. Updates `draft` with the next root and candidates; returns the new tokens and the
+    accepted path (node indices of `tree`)."""
+    with_scores = run.tree_budget is not None
+    if run.host_walk:
+        node_tokens = out.read(tokens)
+        walked, draft.root, stream_logits = _walk(model, main, streams, draft.children, node_tokens, next_index,
+                                                  run.sampler, depth)
+        draft.candidates = stream_logits.topk(width, dim=-1).indices
+        new = [node_tokens[i] for i in walked[1:]] + out.read(draft.root)
+        if run.host_tree:
+            draft.host_candidates = out.read(draft.candidates)
+            if with_scores:
+                draft.host_scores = out.read(stream_logits.log_softmax(-1).gather(-1, draft.candidates))
+        return new, torch.tensor(walked, device=tokens.device)
+    verified = _verify(model, main, streams, tree, tokens, next_index, run.sampler, width, draft_depth=depth,
+                       with_scores=with_scores)
+    path, accepted, draft.root, draft.candidates = verified[:4]
+    if not run.host_tree:
+        summary = out.read(accepted)  # [depth of the deepest accepted node, its path's tokens...]
+    else:  # ... and the next candidates (and scores) to build the next tree from: still one read
+        summary, draft.host_candidates, scores = split_host_read(
+            out.read(pack_host_read(accepted, draft.candidates, verified[4] if with_scores else None)), len(accepted),
+            width, depth, with_scores)
+        if with_scores:
+            draft.host_scores = scores
+    return summary[1 : summary[0] + 2], path
+
+
+def speculation(max_new_tokens: int, sampler: Sampler, shape: tuple[int, ...], eos_token_id=None, **options) -> Speculation:
+    """A `Speculation` from `generate`'s arguments (`eos_token_id` as `generate` takes it)."""
+    return Speculation(max_new_tokens, sampler, shape, stop=stop_set(eos_token_id), **options)
 
 
 autoregressive = _autoregressive
-Clock = _Clock
+_Clock = Clock

@@ -57,6 +57,8 @@ class GenerateOutput:
             transformer layers and the part in the LM head and early-exit head (speculative decoding
             of one sequence, or one token per pass; on an accelerator only with ``profile=True``).
             The rest is `overhead_seconds_per_pass`.
+        host_reads: device→host reads the loop made (`read`), prefill included.
+        graph_calls: compiled-graph calls the loop made (0 uncompiled).
     """
 
     tokens: torch.Tensor
@@ -67,6 +69,14 @@ class GenerateOutput:
     lengths: list[int] | None = None
     forward_seconds_per_pass: list[float] = field(default_factory=list)
     head_seconds_per_pass: list[float] = field(default_factory=list)
+    host_reads: int = 0
+    graph_calls: int = 0
+
+    def read(self, values: torch.Tensor) -> list:
+        """`read_to_host`, counted in `host_reads` (the loops read through it; the benchmark
+        prints reads a pass, which a GPU pays as a sync each)."""
+        self.host_reads += 1
+        return read_to_host(values)
 
     @property
     def overhead_seconds_per_pass(self) -> list[float]:

@@ -22,7 +22,8 @@ from torch import nn
 
 from .cache import MainStreamCache
 from .config import DecodeConfig, decode_config_of
-from .loop import Clock, speculate
+from .loop import speculate
+from .speculation import Clock, Speculation
 from .sampling import Sampler
 from .output import stop_set
 from ..arch import context_positions
@@ -212,10 +213,11 @@ class DecodingSession:
             return keep[0] is not None
 
         if self.streamed:
-            out, cached, tokens = speculate(self.model, self.cache, self.cached, new, max_new_tokens, sampler,
-                                            self.shape, self.prune_threshold, stops, on_tokens, Clock(self.device, False),
-                                            compile=self.compile, lookup=self.lookup, history=self.ids[: self.cached],
-                                            host_walk=self.host_walk, tree_budget=self.tree_budget)
+            run = Speculation(max_new_tokens, sampler, self.shape, stop=stops, on_tokens=on_tokens,
+                              clock=Clock(self.device, False), compile=self.config.compile_backend,
+                              prune_threshold=self.prune_threshold, lookup=self.lookup, tree_budget=self.tree_budget,
+                              host_walk=self.host_walk, history=self.ids[: self.cached])
+            out, cached, tokens = speculate(self.model, self.cache, self.cached, new, run)
             passes = out.forward_passes
             self.cached = cached
         else:

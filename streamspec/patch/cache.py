@@ -147,6 +147,18 @@ class StaticCacheView:
         keys.index_copy_(-2, at, new_keys)
         values.index_copy_(-2, at, new_values)
 
+    def commit(self, path: torch.Tensor) -> None:
+        """Keep a pass's accepted path inside the pass (`MainStreamCache.keep` as tensor ops): the
+        entries of the nodes in `path` [D+1] (this pass's, written at past + node) move to
+        past..past+D in every layer, in place. Entries past the accepted depth are scratch; the
+        owning cache counts the stored ones afterwards (`MainStreamCache.count_stored`). A
+        compiled pass does this so that no per-layer copy runs on the host between passes."""
+        at = self.past + torch.arange(path.shape[0], device=path.device)
+        source = self.past + path
+        for keys, values in zip(self.keys, self.values):
+            keys.index_copy_(-2, at, keys.index_select(-2, source))
+            values.index_copy_(-2, at, values.index_select(-2, source))
+
     def get_seq_length(self, layer_idx: int = 0) -> int:  # pragma: no cover - not called by streamspec
         raise NotImplementedError("a static cache view's length is a device tensor (past)")
 

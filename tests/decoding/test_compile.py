@@ -434,14 +434,14 @@ def test_cuda_graph_protocol_on_every_compiled_loop(models, monkeypatch):
     each call, the outputs copied out of the graphs' pool) decode what the uncompiled loops decode
     on every compiled path. Checked here on a CPU with the aot_eager backend (no graphs to replay;
     `test_cuda_graphs_replay_every_compiled_loop` replays them on a GPU)."""
-    from streamspec.decoding import compiled
+    from streamspec.decoding import compiled, graphs
 
     model = models["gpt2"]
     expected = _tokens(_every_compiled_loop(model, False))
     steps = []
     begin = torch.compiler.cudagraph_mark_step_begin
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1) or begin())
-    monkeypatch.setattr(compiled, "cuda_graphs_wanted", lambda backend, device_type: True)
+    monkeypatch.setattr(graphs, "cuda_graphs_wanted", lambda backend, device_type: True)
     _fresh_graphs()
     try:
         outputs = _every_compiled_loop(model, "aot_eager")
