@@ -46,6 +46,15 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return resolved
 
 
+def auto_dtype(device_type: str) -> torch.dtype:
+    """What ``--dtype auto`` loads a model in on a device type: bfloat16 on CUDA, float32 elsewhere
+    (the pass's formulation there, `streamspec.decoding.formulation`). Takes the type alone, so
+    the choice is tested without the device."""
+    from .decoding.formulation import formulation
+
+    return formulation(device_type, None, native_ready=False).auto_dtype
+
+
 def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto") -> torch.dtype:
     """``auto`` / None: bfloat16 on CUDA, float32 elsewhere (`device`: a torch.device, or a name
     as for `resolve_device`); else float32, bfloat16 or float16, by name or as a torch dtype.
@@ -57,7 +66,7 @@ def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.
     if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
         # a torch.device is taken as it is (a model already placed there); a name is resolved
         kind = device.type if isinstance(device, torch.device) else resolve_device(device).type
-        return torch.bfloat16 if kind == "cuda" else torch.float32
+        return auto_dtype(kind)
     name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else dtype
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (or fp32, bf16, fp16), got {dtype!r}")

@@ -77,7 +77,8 @@ def _tree_pass(model: StreamedModel, keys: list[torch.Tensor], values: list[torc
     slots = torch.arange(tree.size, device=tokens.device)[None]
     main, streams = model.step(tokens[None], positions, main_ok, slots, cache)
     path, summary, root, candidates = _verify(model, main, streams, tree, tokens, positions[0] + 1, sampler, width, key)
-    cache.commit(path)
+    if tree.size > depth_limit + 1:  # a chain's accepted path is its first nodes, in place already
+        cache.commit(path)
     return torch.cat([summary, (past + summary[0] + 1).view(1), root, candidates.flatten()])
 
 

@@ -206,7 +206,9 @@ class DecodeConfig:
 
     def walks_on_host(self, device: torch.device | str) -> bool:
         """Whether a pass verifies its draft with the host walk (see `generate`'s ``verify``)."""
-        auto_host = self.verify == "auto" and torch.device(device).type == "cpu"
+        from .formulation import formulation
+
+        auto_host = self.verify == "auto" and formulation(device, None, native_ready=False).host_walk
         return self.compile_backend is None and (self.verify == "host" or auto_host)
 
     def replace(self, **changes: Any) -> "DecodeConfig":

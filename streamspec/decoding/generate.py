@@ -21,6 +21,7 @@ from .config import COMPILE_BACKENDS, VERIFY_CHOICES, DecodeConfig, decode_confi
 from .config import check_generate_args as _check_generate_args
 from .lookup import PromptLookup
 from .loop import _autoregressive, _Clock, speculate  # noqa: F401 (speculate, _Clock: re-exported)
+from .formulation import formulation
 from .speculation import Speculation
 from .output import GenerateOutput, stop_set
 from .sampling import Sampler  # noqa: F401 (re-exported: streamspec.decoding.generate.Sampler)
@@ -135,7 +136,7 @@ def generate(
         # one LM-head call a pass suits an accelerator; on a CPU, where each call reads the whole
         # head weight, two calls over the fewest rows: uncompiled with the host walk, and compiled
         # always (as a compiled single sequence's device step on a CPU)
-        fuse_head = not host_walk if backend is None else input_ids.device.type != "cpu"
+        fuse_head = not host_walk if backend is None else not formulation(input_ids.device, backend, True).head_split
         return generate_batch(model, input_ids, mask, max_new_tokens, sampler, stop_set(eos_token_id), GenerateOutput,
                               fuse_head=fuse_head, compile_backend=backend)
     if attention_mask is not None and not attention_mask.bool().all():

@@ -31,6 +31,10 @@ class MethodResult:
     # into the transformer layers, the LM / early-exit heads, and the rest
     split: dict[str, float] = field(default_factory=dict)
     prompts: int = 0
+    # the pass proxies a CPU measures for a GPU (streamspec only; docs/gpu.md): device→host reads
+    # and compiled-graph calls after the prefills, and the kernels inductor generated per graph
+    # this method compiled in its warm-up (none: nothing compiled, or served from inductor's cache)
+    counts: dict[str, int] = field(default_factory=dict)
 
     def summary(self, baseline_tps: float | None) -> dict:
         tps = self.tokens / self.seconds if self.seconds else 0.0
@@ -42,6 +46,13 @@ class MethodResult:
         if self.split and steps > 0:
             timing = {"ms_prefill": round(1000 * self.split["prefill"] / self.prompts, 1)}
             timing.update({f"ms_per_step_{k}": round(1000 * self.split[k] / steps, 2) for k in ("forward", "head", "overhead")})
+            # host time a pass outside the model's (compiled) call: the read, the commit, the bookkeeping
+            timing["ms_per_step_host"] = round(1000 * (self.split["head"] + self.split["overhead"]) / steps, 3)
+        if "host_reads" in self.counts and steps > 0:
+            timing["reads_per_step"] = round((self.counts["host_reads"] - self.prompts) / steps, 3)
+            timing["graph_calls_per_step"] = round(self.counts["graph_calls"] / steps, 3)
+        if self.counts.get("graphs_compiled"):
+            timing["kernels_per_graph"] = round(self.counts["kernels_generated"] / self.counts["graphs_compiled"], 1)
         return {
             **timing,
             "tokens_per_second": round(tps, 2),
@@ -130,6 +141,7 @@ def streaming_method(model, eos_token_id, config: DecodeConfig | None = None, sp
         if out.forward_seconds_per_pass:  # the first call is the prefill
             split = {"prefill": out.seconds_per_pass[0], "forward": sum(out.forward_seconds_per_pass[1:]),
                      "head": sum(out.head_seconds_per_pass[1:]), "overhead": sum(out.overhead_seconds_per_pass[1:])}
+            split.update(host_reads=out.host_reads, graph_calls=out.graph_calls)
         return out.tokens[0].tolist(), out.forward_passes, out.accepted_per_pass[1:], split
 
     run.config = config
@@ -146,8 +158,9 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
     called with the results so far after each prompt (a long run saves them as it goes)."""
     results = {name: MethodResult(name) for name in methods}
     for ids in _warm_up_prompts(tokenizer, rows, max_new_tokens):
-        for method in methods.values():
-            method(ids, max_new_tokens)
+        for name, method in methods.items():
+            with _KernelCount(results[name]):
+                method(ids, max_new_tokens)
     for row in tqdm(rows, desc="benchmark", unit="prompt"):
         ids = prompt_ids(tokenizer, row)
         for name, method in methods.items():
@@ -155,8 +168,11 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
             new, passes, accepted, split = method(ids, max_new_tokens)
             r = results[name]
             r.prompts += 1
-            for part, seconds in split.items():
-                r.split[part] = r.split.get(part, 0.0) + seconds
+            for part, value in split.items():
+                if part in ("host_reads", "graph_calls"):
+                    r.counts[part] = r.counts.get(part, 0) + value
+                else:
+                    r.split[part] = r.split.get(part, 0.0) + value
             r.seconds += time.perf_counter() - start
             r.tokens += len(new)
             r.passes += passes
@@ -168,6 +184,35 @@ def run_methods(methods: dict[str, Callable], tokenizer, rows: list[dict], max_n
     return results
 
 
+
+
+class _KernelCount:
+    """Around a warm-up call: the kernels inductor generated for the graphs it compiled, counted in
+    the method's `counts` (its summary's ``kernels_per_graph``: a load-independent proxy of a
+    pass's GPU cost).
+    Graphs served from inductor's on-disk cache generate nothing and are not counted."""
+
+    def __init__(self, result: MethodResult) -> None:
+        self.result = result
+
+    def __enter__(self):
+        from torch._inductor import metrics
+
+        from ..decoding.graphs import _SEEN
+
+        self.kernels, self.graphs = metrics.generated_kernel_count, len(_SEEN)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._inductor import metrics
+
+        from ..decoding.graphs import _SEEN
+
+        kernels, graphs = metrics.generated_kernel_count - self.kernels, len(_SEEN) - self.graphs
+        if kernels > 0 and graphs > 0:
+            counts = self.result.counts
+            counts["kernels_generated"] = counts.get("kernels_generated", 0) + kernels
+            counts["graphs_compiled"] = counts.get("graphs_compiled", 0) + graphs
 
 
 def _warm_up_prompts(tokenizer, rows: list[dict], max_new_tokens: int) -> list[torch.Tensor]:

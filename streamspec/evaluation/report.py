@@ -65,7 +65,10 @@ def report(
 def markdown_table(summary: dict) -> str:
     """One row per method: speed, CRR, exactness, quality, and where each pass's time goes."""
     columns = ["tokens_per_second", "speedup", "crr", "mean_tokens_per_pass", "identical_to_autoregressive", "ms_per_pass",
-               "ms_prefill", "ms_per_step_forward", "ms_per_step_head", "ms_per_step_overhead"]
+               "ms_prefill", "ms_per_step_forward", "ms_per_step_head", "ms_per_step_overhead", "ms_per_step_host",
+               "reads_per_step", "graph_calls_per_step"]
+    if any("kernels_per_graph" in entry for entry in summary.values()):
+        columns.append("kernels_per_graph")
     if any("identical_to_baseline" in entry for entry in summary.values()):
         columns.insert(5, "identical_to_baseline")
     if any("draft_parameters" in entry for entry in summary.values()):

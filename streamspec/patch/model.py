@@ -202,10 +202,14 @@ class StreamedModel(DecoderParts):
         The copies (the MSA layers' linear weights once more, in bf16) are never saved, and are
         made again when an eager call finds a weight changed (a compiled graph keeps those it was
         traced with). Training is untouched: calls that record gradients run in float32."""
+        from ..decoding.formulation import formulation
         from ..kernels import PackedLinear, use_low_precision_rows
 
+        # only where the device's formulation of a pass keeps stream rows apart (the CPU); on CUDA
+        # they run in the same matmuls as the main rows
+        apart = formulation(next(self.parameters()).device, native_ready=False).bf16_stream_rows
         linears = [m for layer in self.layers[self.num_lower_layers :] for m in layer.modules() if type(m) is PackedLinear]
-        split = use_low_precision_rows(linears, self._rows, on and self.stream_config.mode == "lossless") > 0
+        split = use_low_precision_rows(linears, self._rows, on and apart and self.stream_config.mode == "lossless") > 0
         self.__dict__["_bf16_stream_rows"] = split  # (read by the compiled loops' graph keys)
         return split
 

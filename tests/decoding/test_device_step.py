@@ -213,3 +213,111 @@ def test_row_cache_keeps_each_row_contiguous():
     allowed = row_allowed(torch.tensor([[False, True, True], [True, True, True]]), cache.row_lengths, 5, 1)
     assert allowed[0, 0].tolist() == [False, True, True, True, True, False]
     assert allowed[1, 0].tolist() == [True] * 6
+
+
+HOST_FACTORIES = ("tensor", "as_tensor", "full", "zeros", "ones", "arange", "empty", "randint")
+HOST_READS = ("tolist", "item", "numpy", "cpu", "__int__", "__bool__", "__float__", "__index__")
+
+
+class HostWork:
+    """What the host does around a loop's passes: the tensors it builds through torch's factory
+    functions (`HOST_FACTORIES`) and its reads of tensor data (`HOST_READS`), not counted while a
+    compiled graph runs (its own ops are the device's work). Works where a dispatch mode cannot:
+    torch.compile refuses to trace under one."""
+
+    def __init__(self) -> None:
+        self.built: list[str] = []
+        self.reads: list[str] = []
+        self.active = False
+
+
+@pytest.fixture
+def host_work(monkeypatch):
+    from streamspec.decoding import compiled
+
+    work = HostWork()
+
+    def counting(original, into, name):
+        def counted(*args, **kwargs):
+            if work.active:
+                into.append(name)
+            return original(*args, **kwargs)
+        return counted
+
+    for name in HOST_FACTORIES:
+        monkeypatch.setattr(torch, name, counting(getattr(torch, name), work.built, name))
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), work.reads, name))
+    make = compiled.compile_pass
+
+    def uncounted_graphs(fn, backend, device_type):
+        step = make(fn, backend, device_type)
+
+        def call(*args):
+            active, work.active = work.active, False
+            try:
+                return step(*args)
+            finally:
+                work.active = active
+        return call
+
+    monkeypatch.setattr(compiled, "compile_pass", uncounted_graphs)
+    caches = (compiled._compiled_pass, compiled._compiled_host_pass, compiled._compiled_token_pass)
+    for cache in caches:
+        cache.cache_clear()
+    yield work
+    for cache in caches:
+        cache.cache_clear()
+
+
+def _per_pass(model, work: HostWork, generate_kwargs):
+    """Reads and host-built tensors of one more pass: two generations of different lengths from
+    the same prompt, the difference of their counts over the difference of their passes (what
+    the prefill and the call's set-up cost cancels out)."""
+    ids = random_ids(1, 9, seed=1)
+    generate(model, ids, 24, **generate_kwargs)  # compiles, outside the counts
+    counts = []
+    for new in (8, 24):
+        work.reads.clear()
+        work.built.clear()
+        work.active = True
+        try:
+            out = generate(model, ids, new, **generate_kwargs)
+        finally:
+            work.active = False
+        counts.append((out.forward_passes, len(work.reads), len(work.built), out))
+    (short, reads_short, built_short, _), (long, reads_long, built_long, out) = counts
+    assert long - short >= 3, "too few passes apart for a count a pass to mean anything"
+    return (reads_long - reads_short) / (long - short), (built_long - built_short) / (long - short), out
+
+
+@pytest.mark.parametrize("options", [dict(tree_top_k=1), dict(tree_top_k=(2, 1, 1)), dict(speculative=False)],
+                         ids=["chain", "tree", "one token"])
+def test_compiled_passes_read_once_and_build_nothing_on_the_host(model, host_work, options):
+    """Each compiled pass is one graph call, one device→host read (its state vector) and no
+    tensor built on the host (the stored length, the root and the candidates stay on the
+    device between passes; the cache commit runs in the graph)."""
+    reads, built, out = _per_pass(model, host_work, dict(compile="aot_eager", **options))
+    assert reads == 1, (reads, host_work.reads)
+    assert built == 0, (built, host_work.built)
+    assert out.host_reads == out.forward_passes  # the prefill's read, then one a pass
+    assert out.graph_calls == out.forward_passes - 1
+
+
+def test_host_built_trees_compiled_copy_once_and_read_once(model, host_work):
+    """A tree built on the host (lookup branches, a confidence budget) goes to the device in one
+    copy a pass (its tokens with the stored length), and comes back in one read."""
+    from streamspec.decoding.lookup import PromptLookup
+
+    reads, built, _ = _per_pass(model, host_work, dict(compile="aot_eager", tree_top_k=(2, 1, 1),
+                                                      lookup=PromptLookup(4, 1)))
+    assert reads == 1, (reads, host_work.reads)
+    assert built == 1, (built, host_work.built)
+
+
+@pytest.mark.parametrize("tree", [1, (2, 1, 1)])
+def test_uncompiled_device_step_reads_once_a_pass(model, host_work, tree):
+    """The uncompiled device step reads once a pass too (`GenerateOutput.host_reads` agrees)."""
+    reads, _, out = _per_pass(model, host_work, dict(tree_top_k=tree, verify="device"))
+    assert reads == 1, (reads, host_work.reads)
+    assert out.host_reads == out.forward_passes and out.graph_calls == 0
