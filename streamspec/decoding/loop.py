@@ -272,10 +272,5 @@ def _verify_and_read(model, run: Speculation, out: GenerateOutput, draft: _Draft
     return summary[1 : summary[0] + 2], path
 
 
-def speculation(max_new_tokens: int, sampler: Sampler, shape: tuple[int, ...], eos_token_id=None, **options) -> Speculation:
-    """A `Speculation` from `generate`'s arguments (`eos_token_id` as `generate` takes it)."""
-    return Speculation(max_new_tokens, sampler, shape, stop=stop_set(eos_token_id), **options)
-
-
 autoregressive = _autoregressive
 _Clock = Clock

@@ -53,6 +53,7 @@ from .methods import (  # noqa: F401 (part of this module's API)
     streaming_method,
     with_default_kernels,
 )
+from .peers import peer_methods, peer_summary
 from .report import DRAFT_METHODS, markdown_table, quality, report, save_report  # noqa: F401
 from .tuning import (  # noqa: F401
     BUDGET_CANDIDATES,
@@ -240,8 +241,8 @@ def run_benchmark(
         methods["medusa"] = streaming_method(heads, eos, decode, tree_top_k=medusa_shape)
     for name in skip:
         methods.pop(name, None)
-    peer_methods, peer_context = _peer_methods(peers, gguf, base_model, eos, baseline)
-    methods.update(peer_methods)
+    peer_rows, peer_context = peer_methods(peers, gguf, base_model, eos, baseline)
+    methods.update(peer_rows)
     lossless_on_base = baseline is None and model.stream_config.mode == "lossless"
     save_partial = None
     if out_dir is not None:
@@ -257,7 +258,7 @@ def run_benchmark(
     with peer_context:
         results = run_methods(methods, tokenizer, rows, max_new_tokens, on_prompt=save_partial)
     summary = report(task, rows, results, baseline_is_base=lossless_on_base)
-    _peer_summary(summary, results, methods, peers, rows, tokenizer, model, base_model, heads, gguf_of=peer_context)
+    peer_summary(summary, results, methods, peers, rows, tokenizer, model, base_model, heads, gguf_of=peer_context)
     shape = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     if "tree" in summary:
         summary["tree"]["tree_top_k"] = shape
@@ -318,97 +319,6 @@ def run_benchmark(
     return summary
 
 
-
-
-def _peer_methods(peers, gguf, base_model, eos, baseline):
-    """The peer rows' methods (`streamspec.evaluation.peers`) and a context that holds their
-    llama.cpp servers for the run (its ``gguf`` attribute: the GGUF they run, or None)."""
-    from contextlib import ExitStack
-
-    from ..llamacpp import LlamaCppServer
-    from .peers import PEERS, check_peers, llama_cpp_method, transformers_compiled_method
-
-    auto = peers == "auto"
-    peers = PEERS if auto else check_peers(peers)
-    stack = ExitStack()
-    stack.gguf = None
-    methods = {}
-    if "transformers_compiled" in peers:
-        methods["transformers_compiled"] = transformers_compiled_method(base_model, eos)
-    wanted = [p for p in peers if p.startswith("llama_cpp")]
-    if wanted:
-        path = gguf
-        if path is None and baseline is None:
-            from ..assets import DEFAULT_MODEL_ID
-
-            if getattr(base_model.config, "_name_or_path", None) == DEFAULT_MODEL_ID:  # its GGUF is this model
-                path = DEFAULT_MODEL_ID
-        if path is None:
-            if not auto:
-                raise ValueError(f"the {wanted} rows need a GGUF of the baseline's model: give gguf=PATH (--gguf)")
-            print(f"peers: no GGUF of the baseline's model known, so no {', '.join(wanted)} rows (give --gguf PATH)")
-            wanted = []
-        try:
-            for name in wanted:
-                server = stack.enter_context(LlamaCppServer(path, threads=torch.get_num_threads(),
-                                                            speculative="ngram" if name == "llama_cpp_lookup" else None))
-                methods[name] = llama_cpp_method(name, server.url)
-                stack.gguf = server.gguf
-        except ImportError:
-            if not auto:
-                raise
-            print("peers: xllamacpp is not installed, so no llama.cpp rows")
-            for name in wanted:
-                methods.pop(name, None)
-    stack.floor = "memory_floor" in peers
-    return methods, stack
-
-
-def _peer_summary(summary, results, methods, peers, rows, tokenizer, model, base_model, heads, gguf_of) -> None:
-    """The peer rows' extra figures: compile times, agreement with the baseline, the memory floor."""
-    from ..data.build import prompt_ids
-    from .peers import add_memory_floor, floor_ms, kv_bytes_per_token, measure_read_bandwidth, weight_bytes
-
-    base_ids = results["baseline"].token_ids
-    for name in ("transformers_compiled", "llama_cpp", "llama_cpp_lookup"):
-        if name in summary:
-            same = sum(a == b for a, b in zip(results[name].token_ids, base_ids))
-            summary[name]["identical_outputs_share"] = round(same / max(len(base_ids), 1), 3)
-    if "transformers_compiled" in summary:
-        entry, run, base = summary["transformers_compiled"], results["transformers_compiled"], results["baseline"]
-        entry["compile_seconds"] = methods["transformers_compiled"].compile_seconds
-        steps = run.passes - run.prompts
-        if base.split.get("prefill") and steps > 0:
-            # its prefill runs eager (transformers compiles the decoding step only), as the
-            # baseline's on the same prompts: the rest of its time is its decoding steps
-            entry["ms_per_step_forward"] = round(1000 * max(run.seconds - base.split["prefill"], 0.0) / steps, 2)
-            entry["ms_prefill"] = round(1000 * base.split["prefill"] / run.prompts, 1)
-            entry["prefill_from"] = "baseline"
-    if not getattr(gguf_of, "floor", False) or not rows:
-        return
-    bandwidth = measure_read_bandwidth()
-    prompt = sum(prompt_ids(tokenizer, r).shape[1] for r in rows) / len(rows)
-    dtype = next(base_model.parameters()).dtype
-    kv = kv_bytes_per_token(base_model.config, dtype)
-    sizes = {"baseline": weight_bytes(base_model), "streams": weight_bytes(model)}
-    if heads is not None:
-        sizes["medusa"] = weight_bytes(heads)
-    if gguf_of.gguf is not None:
-        sizes["gguf"] = gguf_of.gguf.stat().st_size
-    floors = {}
-    for name, entry in summary.items():
-        context = prompt + entry["tokens"] / (2 * len(rows))
-        if name.startswith("llama_cpp"):
-            size, per_token = sizes["gguf"], kv_bytes_per_token(base_model.config, torch.float16)
-        else:
-            key = "medusa" if name == "medusa" else "baseline" if name in ("baseline", "baseline_default_kernels",
-                                                                           "prompt_lookup", "transformers_compiled") else "streams"
-            size, per_token = sizes[key], kv
-        floors[name] = floor_ms(size, per_token, context, bandwidth)
-    add_memory_floor(summary, floors, bandwidth, {
-        "weight_bytes": sizes,
-        "kv_kb_per_token": round(kv / 1024, 1), "mean_prompt_tokens": round(prompt, 1),
-        "threads": torch.get_num_threads()})
 
 
 def _medusa_model(folder: str, base_model):
