@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick install reason-assets clean
+.PHONY: demo test test-quick install reason-assets gpu-check clean
 
 $(STAMP): requirements.txt requirements-assets.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test-quick: $(STAMP)
 reason-assets: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps -r requirements-reason.txt
 	$(BIN)/python -m streamspec.reason.assets
+
+# On a CUDA machine: exactness, the end-to-end table, pass costs, a training step and SpecReason's
+# model costs in about 8 minutes (eval/gpu_check.py; docs/gpu.md). Writes gpu_check.json.
+gpu-check: $(STAMP)
+	$(BIN)/python eval/gpu_check.py --out gpu_check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
