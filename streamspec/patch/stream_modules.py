@@ -150,7 +150,13 @@ class StreamAdapter(StreamModule):
         else:
             # F.linear on the weights: two module calls per linear per pass would cost more than the
             # products themselves on a few decoding rows
-            delta = F.linear(F.linear(rows, down.weight), up.weight).to(out.dtype)
+            low = F.linear(rows, down.weight)
+            if not torch.is_grad_enabled() and out.shape[0] == 1 and low.dtype == out.dtype:
+                # decoding one sequence: the up projection added into the stream rows by the
+                # product itself (addmm: one GEMM kernel on CUDA instead of a GEMM and an add)
+                out[0, num_main:].addmm_(low[0], up.weight.t())
+                return out
+            delta = F.linear(low, up.weight).to(out.dtype)
         if torch.is_grad_enabled():
             return torch.cat([out[:, :num_main], out[:, num_main:] + delta], dim=1)
         out[:, num_main:] += delta
