@@ -32,7 +32,7 @@ class Clock:
 
 @dataclass
 class Speculation:
-    """How `speculate` decodes one sequence (checked by the caller: `generate`, a session).
+    """How `speculate` decodes one sequence (checked by the caller: `generate`, a `DecodingSession`).
 
     Attributes:
         max_new_tokens: the most tokens it adds.
