@@ -99,8 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     # Set by the deepspeed launcher; the rank is read from the environment (LOCAL_RANK).
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    export = sub.add_parser("export", help="turn a training checkpoint into a streamed checkpoint")
-    export.add_argument("--checkpoint", required=True, help="a checkpoint-N or final folder of a training run")
+    export = sub.add_parser("export", help="turn a training checkpoint into a streamed checkpoint, or a vLLM drafter")
+    export.add_argument("--checkpoint", required=True,
+                        help="a checkpoint-N or final folder of a training run, or shipped streams (streamspec:NAME)")
+    export.add_argument("--format", default="streamspec", choices=("streamspec", "vllm"),
+                        help="streamspec: a streamed checkpoint; vllm: the drafter folder vLLM's speculative config "
+                             "loads (lossless checkpoints; docs/serving.md)")
     export.add_argument("--out", required=True, help="the folder to write")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
@@ -254,9 +258,18 @@ def _run(args) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"trained {summary['steps']} steps in {summary['wall_seconds']} s; exported to {summary.get('export')}")
     elif args.command == "export":
-        from .patch.checkpoint import export_checkpoint
+        if args.format == "vllm":
+            from .vllm.export import export_for_vllm, serve_command
 
-        print(export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype))
+            if args.merge:
+                parser.error("--merge writes a self-contained streamed checkpoint; a vLLM drafter never holds the base")
+            target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype)
+            print(target)
+            print("serve it with:", serve_command(target), file=sys.stderr)
+        else:
+            from .patch.checkpoint import export_checkpoint
+
+            print(export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype))
     elif args.command == "merge":
         from .patch.checkpoint import merge_adapter
 
