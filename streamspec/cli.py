@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_device_args(parser, args)
+    if args.command == "export" and args.format == "vllm" and args.merge:
+        parser.error("--merge writes a self-contained streamed checkpoint; a vLLM drafter never holds the base")
     try:
         return _run(args)
     except Exception as err:  # one line for the user; --debug (or STREAMSPEC_DEBUG=1) for the traceback
@@ -261,8 +263,6 @@ def _run(args) -> int:
         if args.format == "vllm":
             from .vllm.export import export_for_vllm, serve_command
 
-            if args.merge:
-                parser.error("--merge writes a self-contained streamed checkpoint; a vLLM drafter never holds the base")
             target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype)
             print(target)
             print("serve it with:", serve_command(target), file=sys.stderr)

@@ -53,15 +53,10 @@ from vllm.model_executor.models.mistral import MistralDecoderLayer
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
-from .format import DRAFTER_FORMAT, check_target
+from .format import ALIGNMENT_ENV, DRAFTER_FORMAT, check_target
 
 logger = logging.getLogger(__name__)
 
-# Set to a file path to check, at every drafter pass, that the main row at each request's last
-# accepted position predicts the token the target has just sampled (true under greedy decoding
-# when the layer id, the copied weights, the cache and the positions are right); one JSON line a
-# pass is appended: {"checked": n, "agreed": m, "positions_ok": bool}.
-ALIGNMENT_ENV = "STREAMSPEC_VLLM_ALIGNMENT"
 
 # HF linear names inside a decoder layer -> (vLLM's fused module, shard id)
 _STACKED = {
@@ -266,7 +261,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
             rows = (last[:, None] + torch.arange(self.num_drafts - 1, device=last.device)).clamp(max=out.shape[0] - 1)
             drafts = self.compute_logits(out[rows.flatten()]).argmax(dim=-1).view(rows.shape)
             passes = [[int(p), d] for p, d in zip(positions[last].tolist(), drafts.tolist())]
-        stream = is_stream & (index > 0)
+        stream = is_stream & (index > 0) & (index < self.num_drafts)  # (stale rows after a request's mask rows: rejected)
         positions_ok = bool((positions[stream] == positions[origin[stream]] + index[stream]).all())
         if agreed < checked or not positions_ok:
             logger.error("streams drafter out of alignment: %d of %d last accepted rows predict the sampled token; "

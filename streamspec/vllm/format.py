@@ -7,6 +7,11 @@ from typing import Any
 
 DRAFTER_FORMAT = "streamspec-vllm-drafter"
 DRAFTER_FORMAT_VERSION = 1
+# Set to a file path to check, at every drafter pass, that the main row at each request's last
+# accepted position predicts the token the target has just sampled (true under greedy decoding
+# when the layer id, the copied weights, the cache and the positions are right); one JSON line a
+# pass is appended: {"checked": n, "agreed": m, "positions_ok": bool, "passes": [[p, drafts], ...]}.
+ALIGNMENT_ENV = "STREAMSPEC_VLLM_ALIGNMENT"
 # the base facts a drafter records and refuses to run against another value of
 CHECKED = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 

@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from .format import ALIGNMENT_ENV
+
 # vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -65,13 +67,18 @@ def decode(spec: dict, run: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 96),
                             ignore_eos=spec.get("ignore_eos", False), detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)  # warm
+    if spec.get("warmup", True):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
     before = counters(llm)
     outputs: list[list[int]] = []
+    log = os.environ.get(ALIGNMENT_ENV)
+    log_lines: list[int] = []  # the drafter's alignment log: its length after each batch
     start = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         for result in llm.generate(prompts[i:i + concurrency], params, use_tqdm=False):
             outputs.append(list(result.outputs[0].token_ids))
+        if log and run.get("drafter") == "streams":
+            log_lines.append(_lines(log))
     seconds = time.perf_counter() - start
     after = counters(llm)
     spec_counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -83,7 +90,14 @@ def decode(spec: dict, run: dict) -> dict:
     return {"name": run.get("name", run.get("drafter", "none")), "drafter": run.get("drafter", "none"),
             "concurrency": concurrency, "outputs": outputs, "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0, "counters": spec_counters,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "alignment_lines": log_lines}
+
+
+def _lines(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
 
 
 def main(argv: list[str] | None = None) -> int:
