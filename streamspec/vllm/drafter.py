@@ -91,7 +91,7 @@ class _AdaptedLinear(nn.Module):
     (o, down) the input is this rank's slice: the rank-r products are summed across ranks before
     ``up``, as the linear's own products are."""
 
-    def __init__(self, base: nn.Module, rows: _StreamRowMask, parts: list[tuple[int, int, int]],
+    def __init__(self, base: nn.Module, rows: _StreamRowMask, parts: list[tuple[int, int]],
                  rank: int, row_parallel: bool) -> None:
         super().__init__()
         self.base = base
@@ -101,7 +101,7 @@ class _AdaptedLinear(nn.Module):
         dtype = next(base.parameters()).dtype
         self.down = nn.Parameter(torch.zeros(len(parts) * rank, in_features, dtype=dtype), requires_grad=False)
         self.ups = nn.ParameterList(
-            nn.Parameter(torch.zeros(out, rank, dtype=dtype), requires_grad=False) for _, out, _ in parts)
+            nn.Parameter(torch.zeros(out, rank, dtype=dtype), requires_grad=False) for _, out in parts)
         self.rank = rank
 
     def forward(self, x: torch.Tensor):
@@ -182,10 +182,10 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         mlp_inner = layer.mlp.gate_up_proj.output_size_per_partition // 2
         hidden = self.config.hidden_size
         shapes = {
-            "self_attn.qkv_proj": [(hidden, q, 0), (hidden, kv, 0), (hidden, kv, 0)],
-            "self_attn.o_proj": [(attn.o_proj.input_size_per_partition, hidden, 0)],
-            "mlp.gate_up_proj": [(hidden, mlp_inner, 0), (hidden, mlp_inner, 0)],
-            "mlp.down_proj": [(layer.mlp.down_proj.input_size_per_partition, hidden, 0)],
+            "self_attn.qkv_proj": [(hidden, q), (hidden, kv), (hidden, kv)],
+            "self_attn.o_proj": [(attn.o_proj.input_size_per_partition, hidden)],
+            "mlp.gate_up_proj": [(hidden, mlp_inner), (hidden, mlp_inner)],
+            "mlp.down_proj": [(layer.mlp.down_proj.input_size_per_partition, hidden)],
         }
         for path, parts in shapes.items():
             parent_path, _, name = path.rpartition(".")
@@ -203,10 +203,14 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
-        is_stream = torch.isnan(hidden_states[:, 0])
-        # each row's main row: itself, or for a mask row the last main row before it (its position p)
-        origin = torch.where(is_stream, 0, rows).cummax(dim=0).values
-        index = (rows - origin).clamp(max=self.num_streams)  # 0 for main rows, j for stream j
+        marked = torch.isnan(hidden_states[:, 0])
+        # each row's main row: itself, or for a marked row the last unmarked row before it (p)
+        origin = torch.where(marked, 0, rows).cummax(dim=0).values
+        index = rows - origin
+        # stream j of p sits at p+j; marked rows elsewhere are left over from earlier passes in rows
+        # vLLM does not read (a request's rejected rows, at position 0)
+        is_stream = marked & (index <= self.num_streams) & (positions == positions.index_select(0, origin) + index)
+        index = torch.where(is_stream, index, 0)
         main = hidden_states.index_select(0, origin).nan_to_num()
         scale = main.float().pow(2).mean(-1, keepdim=True).sqrt()
         x = main + (scale * self.stream_vectors.index_select(0, index).float()).to(main.dtype)
@@ -223,7 +227,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         take_next = is_stream.index_select(0, after) & (origin.index_select(0, after) == origin) & (after != rows)
         out = normed.index_select(0, torch.where(take_next, after, rows))
         if self._alignment_log:
-            self._log_alignment(input_ids, positions, normed, out, is_stream, origin, index, take_next)
+            self._log_alignment(input_ids, positions, normed, out, marked, is_stream, take_next)
         return out, prenorm
 
     # -- checks -----------------------------------------------------------------------------------
@@ -249,7 +253,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
                     "trained on this model")
         self._base_checked = True
 
-    def _log_alignment(self, input_ids, positions, normed, out, is_stream, origin, index, take_next) -> None:
+    def _log_alignment(self, input_ids, positions, normed, out, marked, is_stream, take_next) -> None:
         """See ALIGNMENT_ENV. Rows at a last accepted position p that have streams after them: their
         main output must predict the token just sampled (``input_ids`` there). Each such row's
         drafts (the argmax of streams 1…K−1) are logged with p, so a test can compare them with
@@ -261,8 +265,8 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
             rows = (last[:, None] + torch.arange(self.num_drafts - 1, device=last.device)).clamp(max=out.shape[0] - 1)
             drafts = self.compute_logits(out[rows.flatten()]).argmax(dim=-1).view(rows.shape)
             passes = [[int(p), d] for p, d in zip(positions[last].tolist(), drafts.tolist())]
-        stream = is_stream & (index > 0) & (index < self.num_drafts)  # (stale rows after a request's mask rows: rejected)
-        positions_ok = bool((positions[stream] == positions[origin[stream]] + index[stream]).all())
+        # a marked row at a real position that is not where its stream belongs
+        positions_ok = not bool((marked & ~is_stream & (positions > 0)).any())
         if agreed < checked or not positions_ok:
             logger.error("streams drafter out of alignment: %d of %d last accepted rows predict the sampled token; "
                          "stream positions %s", agreed, checked, "ok" if positions_ok else "wrong")
