@@ -90,7 +90,7 @@ def _cell(value, fmt: str | None) -> str:
 def render_table(result: dict) -> str:
     """The table's Markdown: a line with the command, machine, threads and date, the table, and
     the note when there is one."""
-    lines = [f"`{result['command']}`", "",
+    lines = ["```bash", result["command"], "```", "",
              f"{result['machine']}, {result['threads']} thread{'s' if result['threads'] != 1 else ''}, "
              f"{result['date']}.", ""]
     columns = result["columns"]

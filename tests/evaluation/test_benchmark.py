@@ -233,7 +233,6 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name, options", [
     ("benchmark.py", ("--checkpoint", "--task", "--baseline", "--sweep", "--data")),
     ("decode_crr.py", ("--checkpoint", "--task", "--split", "--limit", "--trees", "--pruned")),
-    ("stream_adapter_cost.py", ("--checkpoint", "--task", "--limit", "--repeats")),
     ("reason_draft_speed.py", ("--drafter", "--offset", "--limit", "--trees", "--repeats")),
     ("draft_accuracy.py", ("--recipe", "--checkpoints", "--batch-size", "--limit")),
     ("draft_parameters.py", ("--num-drafts", "--stream-layers", "--adapter-rank")),
