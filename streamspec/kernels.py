@@ -5,8 +5,8 @@ attention without the grouped heads' copies.
 On a CPU, torch sends an fp32 `nn.Linear` to the BLAS (MKL): a matrix-vector product for one row
 and a general matrix product for more. For the shapes of decoding, a few rows against a large
 weight, those kernels leave most of the machine idle. Measured with `python eval/linear_kernels.py` on
-this project's 2-core dev machine of earlier sessions (AMD EPYC, torch 2.13 CPU; on a later
-session's Intel Xeon the layers were slower packed: docs/benchmarks.md): the 210 linear layers of
+a 2-core AMD EPYC (torch 2.13 CPU; on an Intel Xeon the layers were slower packed:
+docs/benchmarks.md, "Another CPU: the Intel Xeon"): the 210 linear layers of
 SmolLM2-135M's 30 decoder layers, each weight read from memory as in a real forward, and its
 49,152-token LM head, in ms (median of 7):
 

@@ -164,7 +164,7 @@ class StreamedModel(TrainingForward, DecoderParts):
         kernels compute each row on its own). In a 7-node confidence tree's pass of the shipped
         SQL streams, 21 of the 28 rows in each of the 4 MSA layers are stream rows: their products
         read bf16 weights (side by side, `eval/bf16_stream_rows_ab.py`: −2% to +4% tokens/s on
-        this project's 2-core CPU, within its noise; docs/benchmarks.md, "Eighteenth session").
+        this project's 2-core CPU, within its noise; docs/benchmarks.md, "The step at the machine's limit").
         Only in lossless mode (in shared mode the main stream attends to the streams, so their
         rounding would reach the tokens) and for a float32 model packed for streamspec's CPU
         kernels (`pack_linear_layers`, as `load_for_inference` does on a CPU) where they run in
