@@ -107,7 +107,7 @@ def dtype_or_base(dtype: str | torch.dtype | None, base: str | Path | None) -> t
 
 def cpu_model() -> str:
     """The CPU's model name as `lscpu` gives it ("AMD EPYC", "Intel(R) Xeon(R) ..."): what every
-    measurement records beside its figures, since the machines change between sessions."""
+    measurement records beside its figures, since the machines change from run to run."""
     import platform
     import subprocess
 
