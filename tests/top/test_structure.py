@@ -13,13 +13,14 @@ PACKAGE = ROOT / "streamspec"
 # Rooms from the bottom up; a module may import its own room (within one package) and those below.
 ROOMS = [
     ("foundation", ["streamspec.config", "streamspec.arch", "streamspec.assets", "streamspec.devices",
-                    "streamspec.kernels", "streamspec.attention", "streamspec.native", "streamspec.llamacpp",
+                    "streamspec.kernels", "streamspec.attention", "streamspec.fingerprint", "streamspec.native", "streamspec.llamacpp",
                     "streamspec._llamacpp_child"]),
     ("data", ["streamspec.data"]),
     ("patch", ["streamspec.patch"]),
     ("loading", ["streamspec.loading"]),
     ("decoding", ["streamspec.decoding"]),
-    ("uses", ["streamspec.training", "streamspec.evaluation", "streamspec.serving", "streamspec.reason"]),
+    ("uses", ["streamspec.training", "streamspec.evaluation", "streamspec.serving", "streamspec.reason",
+              "streamspec.vllm"]),
     ("top", ["streamspec.demo", "streamspec.cli", "streamspec.custom_generate", "streamspec"]),
 ]
 
@@ -193,5 +194,5 @@ def test_tests_are_grouped_by_room():
     """Each test module lives in the folder of the room it tests (tests/<room>/), none at the top."""
     tests = ROOT / "tests"
     assert not list(tests.glob("test_*.py")), "put test modules in tests/<room>/"
-    allowed = {name for name, _ in ROOMS} | {"evaluation", "training", "serving", "reason"}
+    allowed = {name for name, _ in ROOMS} | {"evaluation", "training", "serving", "reason", "vllm"}
     assert {p.parent.name for p in tests.rglob("test_*.py")} <= allowed
