@@ -213,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a streamed checkpoint folder, or any causal LM: a folder, a hub id, "
                           "streamspec:SmolLM2-135M-Instruct, a .gguf file")
     srv.add_argument("--gguf-file", default=None, help="the GGUF file's name inside the --checkpoint folder")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; no authentication)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; then give an --api-key)")
+    srv.add_argument("--api-key", default=None,
+                     help="requests to /v1/ must send 'Authorization: Bearer KEY' (401 otherwise); default: "
+                          "$STREAMSPEC_API_KEY, else none")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --checkpoint)")
     add_decode_arguments(srv, defaults=CLI_DECODE_DEFAULTS)
@@ -319,7 +322,8 @@ def _run(args) -> int:
 
         serve(args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, served_model_name=args.served_model_name, gguf_file=args.gguf_file,
-              cpu_kernels=not args.default_kernels, log_level=args.log_level, config=decode_config_from_args(args))
+              cpu_kernels=not args.default_kernels, log_level=args.log_level, config=decode_config_from_args(args),
+              api_key=args.api_key)
     elif args.command in ("reason", "reason-eval"):
         from .reason.cli import dispatch
 
