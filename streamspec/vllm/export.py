@@ -150,4 +150,8 @@ def serve_command(folder: str | Path) -> str:
     spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": facts["num_speculative_tokens"],
             "parallel_drafting": True}
     base = facts.get("base_name") or "BASE"
+    if base.startswith("streamspec:"):  # a built-in model: vLLM loads its converted folder
+        from ..assets import builtin_model_path
+
+        base = builtin_model_path(base)
     return f"vllm serve {base} --speculative-config '{json.dumps(spec)}'"
