@@ -143,6 +143,8 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
             raise ValueError(f"num_speculative_tokens must be 2..{self.num_streams + 1} for streams with γ = "
                              f"{self.num_streams} (γ+1 = {self.num_streams + 1} uses every stream), got {drafts}")
         self.config.draft_vocab_size = self.config.vocab_size
+        # vLLM's layers index the config's per-layer attention kinds relative to the target's layers
+        self.config.target_layer_count = int(facts["num_hidden_layers"])
         hidden = self.config.hidden_size
         # the drafter's attention layers are numbered after the target's (vLLM keys each layer's
         # paged cache by its name)

@@ -129,11 +129,14 @@ def test_a_server_that_goes_away_is_recorded_and_the_run_goes_on(tiny_dir, local
 
 
 def _vllm_serve(folder: str, name: str, speculative: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`vllm serve` (vLLM's CPU build, `make vllm`'s environment) on a free loopback port."""
+    """vLLM's OpenAI server (its CPU build, `make vllm`'s environment) on a free loopback port: the
+    server `vllm serve` starts (the CPU build's `vllm` command looks its version up under the
+    distribution name "vllm" and fails, so the module is run directly; the arguments are the same)."""
     from streamspec.vllm.client import vllm_python
 
     port = _free_port()
-    command = [str(vllm_python().parent / "vllm"), "serve", folder, "--served-model-name", name, "--host", "127.0.0.1",
+    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+               "--served-model-name", name, "--host", "127.0.0.1",
                "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager"]
     if speculative:
         command += ["--speculative-config", json.dumps(speculative)]
@@ -160,7 +163,8 @@ def test_specreason_against_vllm_servers(tmp_path):
     try:
         streams, streams_url = _vllm_serve(folder, "smol-streams", {
             "method": "eagle3", "model": str(drafter), "num_speculative_tokens": 4, "parallel_drafting": True})
-        cfg = ReasonConfig(token_budget=120, step_max_tokens=40, answer_max_tokens=6, temperature=0.0, seed=3)
+        cfg = ReasonConfig(token_budget=120, step_max_tokens=40, answer_max_tokens=6, temperature=0.0,
+                           judge_request="score_0_9", score="expected")
         problem = "Tom has 3 apples and buys 5 more. How many apples does he have?"
         judge = ServerBackend(base_url, "smol", tokenizer=folder, name="base")
         with_streams = SpecReasoner(ServerBackend(streams_url, "smol-streams", tokenizer=folder, name="drafter"), judge,

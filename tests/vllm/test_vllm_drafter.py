@@ -169,3 +169,19 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     same, total = drafts_agreement(model, prompts, streams["outputs"],
                                    passes_by_prompt(one_at_a_time, streams["alignment_lines"]))
     assert total > 0 and same >= 0.98 * total  # (float32 near-ties aside)
+
+
+def test_the_benchmark_rows(tiny):
+    """`streamspec eval --peers vllm_streams`'s rows: plain vLLM beside the streams, one request at a
+    time and two at once, each compared with plain vLLM and with the benchmark's baseline."""
+    from streamspec.evaluation.vllm_peers import vllm_rows
+
+    root, prompts = tiny["llama"]["root"], tiny["llama"]["prompts"]
+    baseline = tiny["llama"]["runs"][0]["outputs"]
+    rows = vllm_rows(("vllm_streams",), str(root / "llama-0-streams"), str(tiny["llama"]["base"]), prompts, NEW_TOKENS,
+                     [o[:NEW_TOKENS] for o in baseline], baseline_tps=100.0, concurrency=(1, 2))
+    assert sorted(rows) == ["vllm", "vllm@2", "vllm_streams", "vllm_streams@2"]
+    for name, row in rows.items():
+        assert row["identical_to_vllm"] and row["tokens"] > 0 and row["speedup"] == round(row["tokens_per_second"] / 100, 3)
+        assert (row["mean_acceptance_length"] is None) == (name in ("vllm", "vllm@2"))  # only drafters accept
+    assert rows["vllm_streams@2"]["concurrency"] == 2
