@@ -160,11 +160,7 @@ def write_figures(results: dict[str, dict], folder: str | Path) -> list[Path]:
         ax.barh([r["method"] for r in rows][::-1], [r["tokens_per_second"] for r in rows][::-1], color="#4a7ab5")
         ax.set_xlabel("tokens/s")
         ax.set_title(f"{result['title']}\n{subtitle}", fontsize=9)
-        fig.tight_layout()
-        path = folder / f"{task}_tokens_per_second.png"
-        fig.savefig(path, dpi=100, metadata={"Software": None})
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, folder / f"{task}_tokens_per_second.png"))
         points = [(pass_cost_ms(r), r["crr"], r["method"]) for r in rows if r.get("crr") and pass_cost_ms(r)]
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for cost, crr, method in points:
@@ -173,12 +169,18 @@ def write_figures(results: dict[str, dict], folder: str | Path) -> list[Path]:
         ax.set_xlabel("ms a pass" + ("" if all(r.get("ms_per_pass") for r in rows) else " (measured, or CRR / tokens/s)"))
         ax.set_ylabel("CRR (tokens a pass)")
         ax.set_title(f"{result['title']}: CRR against a pass's cost\n{subtitle}", fontsize=9)
-        fig.tight_layout()
-        path = folder / f"{task}_crr_vs_pass_cost.png"
-        fig.savefig(path, dpi=100, metadata={"Software": None})
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, folder / f"{task}_crr_vs_pass_cost.png"))
     return written
+
+
+def _save(fig, path: Path) -> Path:
+    """Write a figure as a PNG that is the same bytes for the same data (no software stamp)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return path
 
 
 def regenerate(root: str | Path, check: bool = False, figures: bool = True) -> list[str]:
