@@ -5,7 +5,7 @@ tests call it through a subprocess, so the rest of streamspec never imports vLLM
 
     python -m streamspec.vllm.run SPEC.json OUT.json
 
-SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": 2048,
+SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
 "prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "streams",
 "folder": drafter folder, "num_speculative_tokens": K, "concurrency": 1 | n}, ...]}``. Each run
 gets a fresh engine; OUT holds, per run, each prompt's output token ids, the wall time of the
@@ -61,7 +61,7 @@ def decode(spec: dict, run: dict) -> dict:
 
     concurrency = int(run.get("concurrency", 1))
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=spec.get("enforce_eager", True),
-              max_model_len=spec.get("max_model_len", 2048), max_num_seqs=max(concurrency, 1),
+              max_model_len=spec.get("max_model_len"), max_num_seqs=max(concurrency, 1),
               skip_tokenizer_init=True, speculative_config=speculative_config(run), disable_log_stats=False,
               seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 96),
