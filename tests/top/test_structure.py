@@ -19,8 +19,8 @@ ROOMS = [
     ("patch", ["streamspec.patch"]),
     ("loading", ["streamspec.loading"]),
     ("decoding", ["streamspec.decoding"]),
-    ("uses", ["streamspec.training", "streamspec.evaluation", "streamspec.serving", "streamspec.reason",
-              "streamspec.vllm"]),
+    ("vllm", ["streamspec.vllm"]),
+    ("uses", ["streamspec.training", "streamspec.evaluation", "streamspec.serving", "streamspec.reason"]),
     ("top", ["streamspec.demo", "streamspec.cli", "streamspec.custom_generate", "streamspec"]),
 ]
 
@@ -194,5 +194,5 @@ def test_tests_are_grouped_by_room():
     """Each test module lives in the folder of the room it tests (tests/<room>/), none at the top."""
     tests = ROOT / "tests"
     assert not list(tests.glob("test_*.py")), "put test modules in tests/<room>/"
-    allowed = {name for name, _ in ROOMS} | {"evaluation", "training", "serving", "reason", "vllm"}
+    allowed = {name for name, _ in ROOMS} | {"evaluation", "training", "serving", "reason"}
     assert {p.parent.name for p in tests.rglob("test_*.py")} <= allowed
