@@ -77,3 +77,34 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
 
 def _name(peer: str, concurrency: int) -> str:
     return peer if concurrency == 1 else f"{peer}@{concurrency}"
+
+
+COLUMNS = [
+    {"key": "method", "label": "row"},
+    {"key": "concurrency", "label": "requests at once"},
+    {"key": "tokens_per_second", "label": "tokens/s", "format": "{:.1f}"},
+    {"key": "x_vllm", "label": "× vLLM plain", "format": "{:.2f}×"},
+    {"key": "mean_acceptance_length", "label": "mean acceptance length", "format": "{:.2f}"},
+    {"key": "identical", "label": "identical to vLLM plain"},
+]
+
+
+def result_table(summary: dict, **facts) -> dict:
+    """A docs/results file (`streamspec.evaluation.results`) of the vLLM rows of a benchmark
+    summary (``streamspec eval --out``'s ``benchmark.json``), each row's tokens/s also as a
+    multiple of plain vLLM's at the same concurrency. `facts`: title, command, machine, threads,
+    date, note."""
+    summary = summary.get("methods", summary)
+    rows = []
+    for name, entry in summary.items():
+        if "identical_to_vllm" not in entry:
+            continue
+        plain = summary[_name("vllm", entry["concurrency"])]["tokens_per_second"]
+        rows.append({"method": name.split("@")[0], "concurrency": entry["concurrency"],
+                     "tokens_per_second": entry["tokens_per_second"],
+                     "x_vllm": round(entry["tokens_per_second"] / plain, 3) if plain else None,
+                     "mean_acceptance_length": entry["mean_acceptance_length"], "identical": entry["identical_to_vllm"]})
+    if not rows:
+        raise ValueError("the summary has no vLLM rows: run streamspec eval with --peers vllm,vllm_ngram,vllm_streams")
+    rows.sort(key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["method"])))
+    return {**facts, "columns": COLUMNS, "rows": rows}

@@ -106,3 +106,23 @@ def test_export_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--merge", "--out", str(tmp_path / "w")])
     assert "--merge" in capsys.readouterr().err
+
+
+def test_the_vllm_rows_become_a_docs_result_file(tmp_path):
+    from streamspec.evaluation.results import load_result, render_table
+    from streamspec.evaluation.vllm_peers import result_table
+
+    def row(tps, concurrency, acceptance, identical=True):
+        return {"tokens_per_second": tps, "concurrency": concurrency, "mean_acceptance_length": acceptance,
+                "identical_to_vllm": identical, "identical_to_baseline": identical}
+
+    summary = {"baseline": {"tokens_per_second": 20.0}, "vllm": row(20.0, 1, None), "vllm_streams": row(25.0, 1, 2.0),
+               "vllm@8": row(80.0, 8, None), "vllm_streams@8": row(40.0, 8, 2.0, identical=False)}
+    table = result_table(summary, title="t", command="c", machine="m", threads=1, date="2026-12-04")
+    assert [(r["method"], r["concurrency"], r["x_vllm"]) for r in table["rows"]] == [
+        ("vllm", 1, 1.0), ("vllm_streams", 1, 1.25), ("vllm", 8, 1.0), ("vllm_streams", 8, 0.5)]
+    (tmp_path / "v.json").write_text(json.dumps(table))
+    text = render_table(load_result(tmp_path / "v.json"))
+    assert "| vllm_streams | 8 | 40.0 | 0.50× | 2.00 | no |" in text
+    with pytest.raises(ValueError, match="no vLLM rows"):
+        result_table({"baseline": {"tokens_per_second": 1.0}})
