@@ -60,9 +60,10 @@ def decode(spec: dict, run: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     concurrency = int(run.get("concurrency", 1))
+    speculative = speculative_config(run)
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=spec.get("enforce_eager", True),
               max_model_len=spec.get("max_model_len"), max_num_seqs=max(concurrency, 1),
-              skip_tokenizer_init=True, speculative_config=speculative_config(run), disable_log_stats=False,
+              skip_tokenizer_init=True, speculative_config=speculative, disable_log_stats=False,
               seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 96),
                             ignore_eos=spec.get("ignore_eos", False), detokenize=False)
@@ -88,6 +89,7 @@ def decode(spec: dict, run: dict) -> dict:
     del llm
     gc.collect()
     return {"name": run.get("name", run.get("drafter", "none")), "drafter": run.get("drafter", "none"),
+            "num_speculative_tokens": (speculative or {}).get("num_speculative_tokens"),
             "concurrency": concurrency, "outputs": outputs, "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0, "counters": spec_counters,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "alignment_lines": log_lines}
