@@ -5,7 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick install reason-assets gpu-check clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: demo test test-quick install vllm reason-assets gpu-check clean
 
 $(STAMP): requirements.txt requirements-assets.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,11 +21,25 @@ $(STAMP): requirements.txt requirements-assets.txt setup.py
 
 install: $(STAMP)
 
+# vLLM's own environment, with streamspec's plugin (the streams as vLLM's drafter; docs/serving.md).
+# vLLM brings torchvision and torchaudio, which fail to import beside torch 2.13's CPU build and which
+# no text model needs: they go.
+$(VLLM_STAMP): requirements-vllm.txt setup.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/streamspec demo
 
 # Everything (CI runs this): pytest's last line gives the suite's time, --durations the slowest tests.
-test: $(STAMP)
+# The vLLM tests (tests/vllm) run the streams in vLLM's environment, which the first run builds.
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest tests -q --durations=10
 
 # The quick tier while iterating: without the tests marked slow (the real SmolLM2, servers,
@@ -43,4 +60,4 @@ gpu-check: $(STAMP)
 	$(BIN)/python eval/gpu_check.py --out gpu_check.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

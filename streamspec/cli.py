@@ -99,8 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     # Set by the deepspeed launcher; the rank is read from the environment (LOCAL_RANK).
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    export = sub.add_parser("export", help="turn a training checkpoint into a streamed checkpoint")
-    export.add_argument("--checkpoint", required=True, help="a checkpoint-N or final folder of a training run")
+    export = sub.add_parser("export", help="turn a training checkpoint into a streamed checkpoint, or a vLLM drafter")
+    export.add_argument("--checkpoint", required=True,
+                        help="a checkpoint-N or final folder of a training run, or shipped streams (streamspec:NAME)")
+    export.add_argument("--format", default="streamspec", choices=("streamspec", "vllm"),
+                        help="streamspec: a streamed checkpoint; vllm: the drafter folder vLLM's speculative config "
+                             "loads (lossless checkpoints; docs/serving.md)")
     export.add_argument("--out", required=True, help="the folder to write")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
@@ -183,11 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Medusa checkpoint on the same model (streamspec train with a medusa recipe): adds its row, "
                          "decoded through the same tree verifier")
     ev.add_argument("--max-new-tokens", type=int, default=128)
-    ev.add_argument("--peers", type=peers_or_none_arg, default="auto", metavar="auto|none|NAME[,NAME]",
+    ev.add_argument("--peers", type=peers_or_none_arg, default="auto", metavar="auto|all|none|NAME[,NAME]",
                     help="rows beside ours: transformers_compiled (static cache + torch.compile), llama_cpp and "
                          "llama_cpp_lookup (the model's GGUF through llama.cpp, plain and with its n-gram speculation), "
-                         "memory_floor (what a pass must read over the measured bandwidth); auto: all (llama.cpp ones "
-                         "when a GGUF is known)")
+                         "memory_floor (what a pass must read over the measured bandwidth); vllm, vllm_ngram and "
+                         "vllm_streams (vLLM plain, with its n-gram drafter, with these streams as its drafter; one "
+                         "request at a time and 8 at once, in `make vllm`'s environment); auto: the first four "
+                         "(llama.cpp ones when a GGUF is known); all: every one")
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     ev.add_argument("--skip", nargs="+", default=[], choices=list(SKIPPABLE_ROWS), metavar="ROW",
@@ -207,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a streamed checkpoint folder, or any causal LM: a folder, a hub id, "
                           "streamspec:SmolLM2-135M-Instruct, a .gguf file")
     srv.add_argument("--gguf-file", default=None, help="the GGUF file's name inside the --checkpoint folder")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; no authentication)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; then give an --api-key)")
+    srv.add_argument("--api-key", default=None,
+                     help="requests to /v1/ must send 'Authorization: Bearer KEY' (401 otherwise); default: "
+                          "$STREAMSPEC_API_KEY, else none")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --checkpoint)")
     add_decode_arguments(srv, defaults=CLI_DECODE_DEFAULTS)
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_device_args(parser, args)
+    if args.command == "export" and args.format == "vllm" and args.merge:
+        parser.error("--merge writes a self-contained streamed checkpoint; a vLLM drafter never holds the base")
     try:
         return _run(args)
     except Exception as err:  # one line for the user; --debug (or STREAMSPEC_DEBUG=1) for the traceback
@@ -254,9 +265,16 @@ def _run(args) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"trained {summary['steps']} steps in {summary['wall_seconds']} s; exported to {summary.get('export')}")
     elif args.command == "export":
-        from .patch.checkpoint import export_checkpoint
+        if args.format == "vllm":
+            from .vllm.export import export_for_vllm, serve_command
 
-        print(export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype))
+            target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype)
+            print(target)
+            print("serve it with:", serve_command(target), file=sys.stderr)
+        else:
+            from .patch.checkpoint import export_checkpoint
+
+            print(export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype))
     elif args.command == "merge":
         from .patch.checkpoint import merge_adapter
 
@@ -304,7 +322,8 @@ def _run(args) -> int:
 
         serve(args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               max_model_len=args.max_model_len, served_model_name=args.served_model_name, gguf_file=args.gguf_file,
-              cpu_kernels=not args.default_kernels, log_level=args.log_level, config=decode_config_from_args(args))
+              cpu_kernels=not args.default_kernels, log_level=args.log_level, config=decode_config_from_args(args),
+              api_key=args.api_key)
     elif args.command in ("reason", "reason-eval"):
         from .reason.cli import dispatch
 

@@ -1,10 +1,13 @@
-"""Devices and dtypes by name: what ``--device`` and ``--dtype`` accept everywhere, and the dtype
-a saved model is in. A foundation module: of streamspec it uses only `streamspec.assets`."""
+"""Devices and dtypes by name: what ``--device`` and ``--dtype`` accept everywhere, the dtype a
+saved model is in, and how a decoding pass is formulated on each device type (`formulation`).
+A foundation module: of streamspec it uses only `streamspec.assets` and `streamspec.native`."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,10 +51,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 def auto_dtype(device_type: str) -> torch.dtype:
     """What ``--dtype auto`` loads a model in on a device type: bfloat16 on CUDA, float32 elsewhere
-    (the pass's formulation there, `streamspec.decoding.formulation`). Takes the type alone, so
+    (the pass's formulation there, `formulation`). Takes the type alone, so
     the choice is tested without the device."""
-    from .decoding.formulation import formulation
-
     return formulation(device_type, None, native_ready=False).auto_dtype
 
 
@@ -116,7 +117,7 @@ def dtype_or_base(dtype: str | torch.dtype | None, base: str | Path | None) -> t
 
 def cpu_model() -> str:
     """The CPU's model name as `lscpu` gives it ("AMD EPYC", "Intel(R) Xeon(R) ..."): what every
-    measurement records beside its figures, since the machines change between sessions."""
+    measurement records beside its figures, since the machines change from run to run."""
     import platform
     import subprocess
 
@@ -125,3 +126,78 @@ def cpu_model() -> str:
         return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
     except (OSError, subprocess.CalledProcessError, StopIteration):
         return platform.processor() or "unknown"
+
+
+# How a decoding pass is formulated on a device: the one place where the CPU and CUDA ways of
+# running the same pass are chosen (the tokens are the same either way; tests hold it).
+#
+# A batch-1 decoding pass is bound differently on the two:
+#
+# - on a CPU every row of a product costs its multiply-adds and every LM-head call reads the whole
+#   head weight from memory, so the pass spends the fewest rows: the LM head over the main rows,
+#   then over the accepted node's stream rows alone (`head_split`); the stream rows of a lossless
+#   float32 model through bfloat16 copies of the MSA layers' linears (`bf16_stream_rows`, only
+#   where streamspec's packed kernels run them); the host walk for uncompiled verification;
+#   compiled graphs through inductor's C++ wrapper (`cpp_wrapper`);
+# - on CUDA a few more rows in a product cost almost nothing while every kernel launch and every
+#   host step costs microseconds, so the pass runs the stream rows in the same matmuls as the
+#   main rows, one LM-head call over every row the pass needs, verification on the device, and a
+#   compiled pass replays as one CUDA graph (`cuda_graphs`); ``--dtype auto`` is bfloat16 there
+#   (`auto_dtype`).
+#
+# `formulation(device_type)` returns these choices; the decoding loops, the verifier, the compile
+# step, the stream-row switch and `auto_dtype` all ask it.
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class Formulation:
+    """The device-dependent choices of a decoding pass (see the module docstring).
+
+    Attributes:
+        device_type: ``"cpu"``, ``"cuda"``, ``"mps"``.
+        head_split: the LM head over the main rows, then over the accepted node's stream rows only
+            (two calls, fewest rows); else one call over every row.
+        bf16_stream_rows: stream rows may run through bf16 copies of the packed MSA linears
+            (`StreamedModel.use_bf16_stream_rows`); else in the same matmuls as the main rows.
+        host_walk: what ``verify="auto"`` means uncompiled: the host walk (else the device step).
+        cpp_wrapper: a compiled pass runs inductor's C++ wrapper (``STREAMSPEC_CPP_WRAPPER=0``: off).
+        cuda_graphs: a compiled pass replays as a CUDA graph (``STREAMSPEC_CUDA_GRAPHS=0``: off).
+        auto_dtype: what ``--dtype auto`` loads a model in.
+    """
+
+    device_type: str
+    head_split: bool
+    bf16_stream_rows: bool
+    host_walk: bool
+    cpp_wrapper: bool
+    cuda_graphs: bool
+    auto_dtype: torch.dtype
+
+
+def head_split(device_type: str) -> bool:
+    """`Formulation.head_split` alone, cheap enough to ask inside a traced pass."""
+    from . import native
+
+    return device_type == "cpu" and native.ready()
+
+
+def formulation(device_type: str | torch.device, backend: str | None = "inductor",
+                native_ready: bool | None = None) -> Formulation:
+    """The pass's formulation on `device_type` (compiled with `backend`, or None uncompiled).
+    `native_ready`: whether streamspec's own CPU kernels are loaded (default: ask
+    `streamspec.native`); a device type is enough, so the choice is tested without a GPU."""
+    kind = torch.device(device_type).type
+    cpu = kind == "cpu"
+    return Formulation(
+        device_type=kind,
+        head_split=head_split(kind) if native_ready is None else cpu and native_ready,
+        bf16_stream_rows=cpu,
+        host_walk=cpu,
+        cpp_wrapper=cpu and backend == "inductor" and not _env_off("STREAMSPEC_CPP_WRAPPER"),
+        cuda_graphs=kind == "cuda" and backend == "inductor" and not _env_off("STREAMSPEC_CUDA_GRAPHS"),
+        auto_dtype=torch.bfloat16 if kind == "cuda" else torch.float32,
+    )

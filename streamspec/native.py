@@ -42,7 +42,7 @@ MAX_ROWS = 64
 #: rows of a key-value head (its query heads x the pass's rows) at once. One layer, 768 keys,
 #: SmolLM2's 9 query and 3 key-value heads, one thread, against torch's operators (sdpa on the
 #: repeated heads): 1 row 44 us (1206), 7: 259 (664), 28: 758 (899), 64: 1672 (1906). Float32, against
-#: `decode_attention_forward`'s grouped operators (sdpa above 32 rows), a later session: 1 row 29 us (99),
+#: `decode_attention_forward`'s grouped operators (sdpa above 32 rows), on another EPYC: 1 row 29 us (99),
 #: 7: 133 (264), 28: 505 (840), 60: 1061 (1968).
 ATTENTION_MAX_ROWS = 64
 _UNSET = object()

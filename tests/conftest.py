@@ -151,7 +151,7 @@ def tiny_dir(tmp_path_factory):
 # The slow tier (`make test` runs everything; `make test-quick` leaves these out): whole modules
 # that start servers, compile or load the real SmolLM2 throughout, and single tests that train,
 # spawn processes or sample thousands of times. About a quarter of the suite's time each way.
-SLOW_MODULES = {"test_smollm2", "test_compile", "test_serving", "test_reason_server"}
+SLOW_MODULES = {"test_smollm2", "test_compile", "test_serving", "test_reason_server", "test_vllm_drafter"}
 SLOW_TESTS = {
     "test_speculative_sampling_matches_the_exact_distribution",
     "test_deepspeed_two_processes_train_and_resume_smollm2",

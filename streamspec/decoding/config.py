@@ -182,7 +182,7 @@ class DecodeConfig:
             return self.replace(compile=False)
         possible = self.prune_threshold is None and self.verify != "host" and hasattr(model, "num_drafts")
         # a batch's compiled chains were measured faster in bfloat16 on a CPU (docs/benchmarks.md,
-        # "Tenth session": 73.8 against 62.6 tokens/s), not in float32 (25.7 against 26.1): there a
+        # "Batches": 73.8 against 62.6 tokens/s), not in float32 (25.7 against 26.1): there a
         # batch stays eager unless compile is asked for
         possible &= not (batch > 1 and param.device.type == "cpu" and param.dtype == torch.float32)
         return self.replace(compile=bool(possible and compile_pays(param.device, param.dtype, model)))
@@ -206,7 +206,7 @@ class DecodeConfig:
 
     def walks_on_host(self, device: torch.device | str) -> bool:
         """Whether a pass verifies its draft with the host walk (see `generate`'s ``verify``)."""
-        from .formulation import formulation
+        from ..devices import formulation
 
         auto_host = self.verify == "auto" and formulation(device, None, native_ready=False).host_walk
         return self.compile_backend is None and (self.verify == "host" or auto_host)

@@ -21,7 +21,7 @@ from .config import COMPILE_BACKENDS, VERIFY_CHOICES, DecodeConfig, decode_confi
 from .config import check_generate_args as _check_generate_args
 from .lookup import PromptLookup
 from .loop import _autoregressive, _Clock, speculate  # noqa: F401 (speculate, _Clock: re-exported)
-from .formulation import formulation
+from ..devices import formulation
 from .speculation import Speculation
 from .output import GenerateOutput, stop_set
 from .sampling import Sampler  # noqa: F401 (re-exported: streamspec.decoding.generate.Sampler)
@@ -80,43 +80,29 @@ def generate(
             depths; see `streamspec.decoding.tree`). A batch (B > 1, padded through `attention_mask`) uses
             the single best path per sequence (tree_top_k 1).
         prune_threshold: drop draft children whose early-exit transition probability is below it.
-        on_tokens: called with each call's accepted tokens as they come (one sequence only), cut
-            at max_new_tokens and after EOS like the returned tokens. If it returns True, decoding
-            stops after this call (a stop string was seen, a client went away); the returned
-            tokens then end with the ones it was last given.
-        profile: on an accelerator, wait for the device around each timed part so that the
-            forward / head / overhead split is true (slower; on a CPU the split is always true).
-        compile: run each draft-tree pass (tree tokens, the model, verification and the next
-            draft: everything between two host reads) through ``torch.compile`` with static
-            shapes (speculative only). The pass attends over the whole preallocated
-            cache, its capacity rounded up to a multiple of 256 entries, under a mask built on
-            the device from the stored length, so the cache growing never compiles again; the
-            prefill (any prompt length) runs uncompiled. The first call with a given model, tree
-            shape, sampler setting (temperature, top_p, top_k; not the seed) and capacity compiles
-            (seconds to minutes); later ones reuse it. With ``speculative=False`` each one-token
-            pass after the prefill is compiled the same way, and so is each pass of a batch (B > 1: one
-            graph per batch size and capacity; `streamspec.decoding.batch`). Tokens equal ``compile=False`` (greedy, and
-            sampled with the same seed) up to float rounding of the compiled kernels. True uses
-            the "inductor" backend (a C++ compiler on a CPU); a backend name ("aot_eager",
-            "eager") may be given instead. Refused with ``prune_threshold`` (pruning changes the
-            number of rows in the middle of a pass). The forward/head split of
-            the timings is not made: a pass's whole compiled call counts as forward time.
-        lookup: prompt-lookup branches in the stream tree (`streamspec.decoding.lookup.PromptLookup`):
-            each pass, continuations of the text's latest n-gram found earlier in the prompt or
-            the generated text join the tree as extra branches, verified in the same pass. Exact
+        on_tokens: called with each call's accepted tokens as they come (one sequence only, cut at
+            max_new_tokens and after EOS); returning True stops decoding after this call.
+        profile: on an accelerator, wait for the device around each timed part (a true split of
+            forward / head / overhead time; slower).
+        compile: run each pass after the prefill (everything between two host reads) through
+            ``torch.compile`` with static shapes, over a cache whose capacity is rounded up to a
+            multiple of 256 entries, so the cache growing never compiles again. The first call with a
+            given model, tree shape, sampler setting and capacity compiles (seconds to minutes); later
+            ones reuse it. Tokens equal ``compile=False`` up to float rounding. True uses "inductor";
+            a backend name ("aot_eager", "eager") may be given instead. Refused with
+            ``prune_threshold``. A pass's whole compiled call counts as forward time.
+        lookup: prompt-lookup branches (`streamspec.decoding.lookup.PromptLookup`): continuations of
+            the text's latest n-gram found earlier join the tree, verified in the same pass. Exact
             like the stream tree. One sequence, without pruning.
         tree_budget: shape each pass's tree by confidence instead: from the `tree_top_k`
             candidates of each stream, grow the tree best-first by path probability (the product
             of the streams' probabilities along it) until it has this many nodes
             (`streamspec.decoding.tree.grow_tree`). One sequence, without pruning.
-        verify: where a pass decides what it accepts. ``"device"``: with tensor operations on the
-            model's device (the LM head over every node's main row, then on a CPU with
-            streamspec's own kernels over the accepted node's stream rows alone, elsewhere over
-            every node's in the same call), and one read to the host per pass. ``"host"``: a walk down the
-            accepted path, one LM-head call per accepted node over that node's rows and a read at
-            each (the fewest head rows). ``"auto"`` (default): the host walk on a CPU, where a
-            read costs nothing and every head call reads the whole LM-head weight from memory
-            (docs/benchmarks.md), the device step elsewhere. Outputs are the same either way.
+        verify: where a pass decides what it accepts. ``"device"``: tensor operations on the
+            model's device and one read to the host per pass. ``"host"``: a walk down the accepted
+            path, one LM-head call per accepted node (the fewest head rows). ``"auto"`` (default):
+            the host walk on a CPU, where every head call reads the whole LM-head weight, the device
+            step elsewhere (`DecodeConfig.walks_on_host`). Outputs are the same either way.
         config: all of the above decode options in one `DecodeConfig` (instead of the keywords
             tree_top_k, prune_threshold, lookup, tree_budget, verify and compile; not both).
     """
@@ -165,7 +151,3 @@ def generate(
     out, _, _ = speculate(model, cache, 0, input_ids, run)
     return out
 
-
-def walks_on_host(verify: str, device: torch.device, compile_backend: str | None = None) -> bool:
-    """Whether a pass verifies its draft with the host walk (see `generate`'s ``verify``)."""
-    return DecodeConfig(verify=verify, compile=compile_backend or False).walks_on_host(device)

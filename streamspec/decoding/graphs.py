@@ -4,7 +4,7 @@ compiled loop (one token, a tree, a host-built tree, a batch; `streamspec.decodi
 - `compile_pass`: ``torch.compile`` with static shapes; on a CPU inductor's C++ wrapper
   (`cpp_wrapper_wanted`), on CUDA replayed as CUDA graphs (`cuda_graphs_wanted`, `GraphedStep`).
   Which of the two applies is decided with the rest of the device's formulation of the pass in
-  `streamspec.decoding.formulation`.
+  `streamspec.devices.formulation`.
 - `compiled_capacity`: the few cache sizes a compiled generation reserves (few graphs).
 - `checked_once`, `CompileNotice`, `graph_key`: guards run in full only at a loop's first pass;
   a first compile is announced and timed.
@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from .config import DecodeConfig
-from .formulation import formulation
+from ..devices import formulation
 
 
 def _checked_once(checked: bool):
@@ -36,6 +36,12 @@ def _checked_once(checked: bool):
 
 
 _SEEN: set = set()  # the compiled graphs this process has called (one per model, shape, sampler, capacity)
+
+
+def graphs_called() -> int:
+    """How many compiled graphs this process has called so far (the benchmark counts the kernels
+    generated per graph with it)."""
+    return len(_SEEN)
 
 
 class _CompileNotice:

@@ -74,7 +74,7 @@ class DecodingSession:
         prune_threshold: early-exit pruning of the draft tree (streamed models only).
         compile: run each draft-tree pass compiled with static shapes (streamed models, without
             pruning; see `streamspec.decoding.generate`). The compiled pass is shared with
-            `generate` and with other sessions of the model; it compiles again only when the
+            `generate` and with other decoding sessions of the model; it compiles again only when the
             cache's buffers grow.
         lookup: prompt-lookup branches in the draft tree (`streamspec.decoding.lookup.PromptLookup`;
             streamed models, without pruning), looked up in the whole sequence.
@@ -158,7 +158,7 @@ class DecodingSession:
         """The tokens to run next, [1, n >= 1]: the pending ones, or the last token again (its
         entry dropped) when everything is cached, since its outputs are needed once more."""
         if not self.ids:
-            raise ValueError("the session is empty: extend it with a prompt first")
+            raise ValueError("the decoding session is empty: extend it with a prompt first")
         if self.cached == len(self.ids):
             self._crop(len(self.ids) - 1)
         return torch.tensor([self.ids[self.cached:]], dtype=torch.long, device=self.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..patch.model import StreamedModel
-from .formulation import head_split
+from ..devices import head_split
 from .sampling import Sampler
 from .tree import DraftTree, accepted_nodes, deepest_path
 
@@ -41,7 +41,7 @@ def _verify(model: StreamedModel, main: torch.Tensor, streams: torch.Tensor, tre
     # over the accepted node's stream rows alone (there every row costs its products); elsewhere
     # one call over every row the pass may need (a call costs the head's read, rows little more:
     # oneDNN's and cuBLAS's products of many rows; two calls measured 9-17% slower on oneDNN).
-    split = head_split(main.device.type)  # the device's formulation (`streamspec.decoding.formulation`)
+    split = head_split(main.device.type)  # the device's formulation (`streamspec.devices.formulation`)
     logits = model.head(main[0] if split else torch.cat([main[0], streams[0, :, :draft].reshape(n * draft, -1)]))
     choice = sampler(logits[:n], next_index, key=key)  # [N]: node i's choice is the token at next_index[i]
     best, path = deepest_path(tree, accepted_nodes(tree, node_tokens, choice))

@@ -44,6 +44,7 @@ from ..decoding.config import DecodeConfig
 from ..decoding.lookup import PromptLookup
 from ..decoding.tree import tree_shape
 
+from ..data.build import prompt_ids
 from .methods import (  # noqa: F401 (part of this module's API)
     CallCounter,
     MethodResult,
@@ -53,6 +54,7 @@ from .methods import (  # noqa: F401 (part of this module's API)
     streaming_method,
     with_default_kernels,
 )
+from .vllm_peers import VLLM_PEERS, vllm_base, vllm_rows
 from .peers import peer_methods, peer_summary
 from .report import DRAFT_METHODS, markdown_table, quality, report, save_report  # noqa: F401
 from .tuning import (  # noqa: F401
@@ -144,7 +146,7 @@ def run_benchmark(
             untyped, compact, renamed, long), test and validation alike.
         medusa: a Medusa checkpoint folder (`streamspec.patch.medusa`) trained on the baseline's
             model: adds the ``medusa`` row. Refused when its base is another model.
-        peers: rows of `streamspec.evaluation.peers.PEERS` (``transformers_compiled``,
+        peers: rows of `streamspec.evaluation.peers.PEERS` (``transformers_compiled``, ``vllm``, ...,
             ``llama_cpp``, ``llama_cpp_lookup``, ``memory_floor``), or ``"auto"``: every one, the
             llama.cpp rows only when a GGUF is known (`gguf`, or the default model's own).
         gguf: the GGUF the llama.cpp rows run (a path; default: the default model's own GGUF when
@@ -155,7 +157,7 @@ def run_benchmark(
             tree shape `tree_top_k` is still the one the ``tree_pruned`` and ``tree_lookup`` rows
             grow (and the sweep measures its point itself).
     """
-    from ..patch.checkpoint import read_checkpoint_meta
+    from ..patch.checkpoint import read_checkpoint_meta, recorded_base
     from ..loading import load_for_inference
 
     bad_skip = [name for name in skip if name not in SKIPPABLE_ROWS]
@@ -259,6 +261,11 @@ def run_benchmark(
         results = run_methods(methods, tokenizer, rows, max_new_tokens, on_prompt=save_partial)
     summary = report(task, rows, results, baseline_is_base=lossless_on_base)
     peer_summary(summary, results, methods, peers, rows, tokenizer, model, base_model, heads, gguf_of=peer_context)
+    if not isinstance(peers, str) and set(peers) & set(VLLM_PEERS):  # vLLM in its own environment
+        summary.update(vllm_rows(peers, checkpoint, vllm_base(recorded_base(checkpoint, meta)),
+                                 [prompt_ids(tokenizer, row)[0].tolist() for row in rows], max_new_tokens,
+                                 results["baseline"].token_ids, summary["baseline"]["tokens_per_second"],
+                                 dtype=str(loaded.dtype).removeprefix("torch.")))
     shape = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     if "tree" in summary:
         summary["tree"]["tree_top_k"] = shape

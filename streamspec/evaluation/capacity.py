@@ -1,4 +1,4 @@
-"""The capacity study's table (the streams issue): per training run (an output folder of
+"""The capacity study's table: per training run (an output folder of
 `streamspec train`), what it trained (streams: Ns, γ, stream-adapter rank, init, learning rates;
 or Medusa heads), the parameters its drafts add, its training time, the validation top-1 of every
 draft after each epoch (``training_summary.json``: the run's own validation rows, the model's own

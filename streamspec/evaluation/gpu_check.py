@@ -37,20 +37,13 @@ from typing import Callable
 
 import torch
 
+from .gpu_rows import Row, rows_of
+
 # Packages the check must not import (a GPU user's environment need not have them).
 FORBIDDEN_IMPORTS = ("deepspeed", "wandb", "datasets", "llama_cpp", "xllamacpp", "vllm")
 PARTS = ("a", "b", "c", "d", "e")
 # Seconds each part may take on a GPU host, compiles included (8 minutes in all).
 BUDGETS = {"a": 70, "b": 190, "c": 130, "d": 45, "e": 25}
-
-
-@dataclass
-class Row:
-    """One row of the check: its part, its name, and what measures it (returns the figures)."""
-
-    part: str
-    name: str
-    run: Callable[[], dict]
 
 
 @dataclass
@@ -176,7 +169,6 @@ def run_check(device: str = "auto", parts: str | tuple[str, ...] = PARTS, quick:
     `results`, `table()`). `quick`: small versions of every part (a CPU runs them in minutes).
     `budget_scale` multiplies every part's time budget."""
     from ..devices import resolve_device
-    from . import gpu_rows
 
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -186,7 +178,7 @@ def run_check(device: str = "auto", parts: str | tuple[str, ...] = PARTS, quick:
                        header={"device": str(target), "quick": quick, "machine": machine(target)})
     for part in parts:
         budget = BUDGETS[part] * budget_scale * (4 if quick and target.type == "cpu" else 1)
-        runner.run_part(part, lambda part=part: gpu_rows.rows_of(part, target, quick), budget)
+        runner.run_part(part, lambda part=part: rows_of(part, target, quick), budget)
     runner.header["forbidden_imports"] = forbidden_imports()
     runner.save()
     return runner

@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 
-from .gpu_check import Row
+@dataclass
+class Row:
+    """One row of the check: its part, its name, and what measures it (returns the figures)."""
+
+    part: str
+    name: str
+    run: Callable[[], dict]
+
 
 ARCHS = ("llama", "qwen2", "mistral", "gpt2")
 # Random-weight shapes of public configs (their config.json values; no download).

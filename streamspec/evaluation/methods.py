@@ -198,17 +198,17 @@ class _KernelCount:
     def __enter__(self):
         from torch._inductor import metrics
 
-        from ..decoding.graphs import _SEEN
+        from ..decoding.graphs import graphs_called
 
-        self.kernels, self.graphs = metrics.generated_kernel_count, len(_SEEN)
+        self.kernels, self.graphs = metrics.generated_kernel_count, graphs_called()
         return self
 
     def __exit__(self, *exc) -> None:
         from torch._inductor import metrics
 
-        from ..decoding.graphs import _SEEN
+        from ..decoding.graphs import graphs_called
 
-        kernels, graphs = metrics.generated_kernel_count - self.kernels, len(_SEEN) - self.graphs
+        kernels, graphs = metrics.generated_kernel_count - self.kernels, graphs_called() - self.graphs
         if kernels > 0 and graphs > 0:
             counts = self.result.counts
             counts["kernels_generated"] = counts.get("kernels_generated", 0) + kernels

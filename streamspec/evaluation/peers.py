@@ -24,14 +24,19 @@ from typing import Callable
 
 import torch
 
-PEERS = ("transformers_compiled", "llama_cpp", "llama_cpp_lookup", "memory_floor")
+# in process, run by --peers auto
+AUTO_PEERS = ("transformers_compiled", "llama_cpp", "llama_cpp_lookup", "memory_floor")
+# vLLM in its own environment (`streamspec.evaluation.vllm_peers`): named, or --peers all
+PEERS = AUTO_PEERS + ("vllm", "vllm_ngram", "vllm_streams")
 CAPACITY_STEP = 256  # transformers_compiled's static cache holds a multiple of this many tokens
 
 
 def peers_arg(text: str) -> tuple[str, ...]:
-    """``--peers``: ``auto`` (every peer; the llama.cpp rows when a GGUF is known), ``none``, or a
-    comma-separated list of `PEERS`."""
-    if text in ("auto", "all"):
+    """``--peers``: ``auto`` (the in-process peers, `AUTO_PEERS`; the llama.cpp rows when a GGUF is
+    known), ``all`` (with vLLM's rows too), ``none``, or a comma-separated list of `PEERS`."""
+    if text == "auto":
+        return AUTO_PEERS
+    if text == "all":
         return PEERS
     if text in ("none", ""):
         return ()
@@ -220,7 +225,7 @@ def peer_methods(peers, gguf, base_model, eos, baseline):
     from ..llamacpp import LlamaCppServer
 
     auto = peers == "auto"
-    peers = PEERS if auto else check_peers(peers)
+    peers = AUTO_PEERS if auto else check_peers(peers)
     stack = ExitStack()
     stack.gguf = None
     methods = {}

@@ -89,6 +89,32 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+# What a user reads of a run (`streamspec demo`): the label, and these columns.
+USER_COLUMNS = (("tokens_per_second", "tokens/s"), ("speedup", "speedup"), ("crr", "CRR"),
+                ("identical_to_autoregressive", "identical"))
+
+
+def user_table(summary: dict) -> str:
+    """One row per method with tokens/s, speedup, CRR and whether its outputs are identical to one
+    token a pass (the baseline and prompt lookup: transformers' own, not compared: "–")."""
+    lines = ["| method | " + " | ".join(label for _, label in USER_COLUMNS) + " |", "|" + "---|" * (len(USER_COLUMNS) + 1)]
+    for name, entry in summary.items():
+        label = name + (f" {entry['tree_top_k']}" if "tree_top_k" in entry else "")
+        cells = []
+        for key, _ in USER_COLUMNS:
+            value = entry.get(key)
+            if value is None:
+                cells.append("–")
+            elif isinstance(value, bool):
+                cells.append("yes" if value else "no")
+            elif key == "speedup":
+                cells.append(f"{value:.2f}×")
+            else:
+                cells.append(f"{value:.2f}")
+        lines.append("| " + " | ".join([label] + cells) + " |")
+    return "\n".join(lines)
+
+
 def save_report(summary: dict, out_dir: str | Path, sweep: list[dict] | None = None) -> dict[str, Path]:
     """JSON, Markdown and PNG plots (speedup and CRR against tree_top_k; tokens-per-pass histogram)."""
     import matplotlib

@@ -53,8 +53,8 @@ BUDGET_CANDIDATES = (3, 4, 6, 7, 8, 12, 16)
 # 7: a float32 pass of up to seven rows reads each weight once (streamspec's kernel), and lookup
 # trees on the (2, 1, 1) stream tree pad to 7 nodes too, so both rows share that compiled graph
 # (`streamspec.decoding.compiled.HOST_GRAPH_WIDTH`). Spider, 30 held-out questions, fp32, the
-# shipped streams (AMD EPYC, sixteenth session, bf16 drafts): CRR 2.20 at 1.48x `generate`, where
-# 10 nodes gave CRR 2.30 at 1.24x before the seven-row kernel (docs/benchmarks.md).
+# shipped streams (AMD EPYC, bf16 drafts): CRR 2.20 at 1.48x `generate`, where 10 nodes gave
+# CRR 2.30 at 1.24x before the seven-row kernel (docs/benchmarks.md, "Decoding speed on a CPU").
 DEFAULT_BUDGET = 7
 CONFIDENCE_TOP_K = 3
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..config import StreamConfig
+from ..fingerprint import same_fingerprint
 from .model import StreamedModel, add_streams
 from .stream_modules import stream_modules_taken_out
 from .saving import (
@@ -41,12 +42,6 @@ from .saving import (
 )
 
 logger = logging.getLogger(__name__)
-def _same_fingerprint(recorded: list[float], actual: list[float]) -> bool:
-    # tolerances that a dtype change (bf16 rounds each weight by <0.4%) passes and another model does not
-    scale = max(max(abs(v) for v in recorded), 1e-6)
-    return len(recorded) == len(actual) and all(abs(a - b) <= 0.02 * abs(a) + 1e-3 * scale for a, b in zip(recorded, actual))
-
-
 def checkpoint_folder(source: str | Path) -> Path:
     """The folder of a streamed checkpoint: a path, or the name of shipped stream weights
     (``streamspec:smollm2-135m-sql-streams``). Every reader of checkpoints resolves through this,
@@ -139,7 +134,7 @@ def check_base(folder: Path, meta: dict[str, Any], base_model: nn.Module) -> Non
     if wrong:
         details = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in wrong.items())
         raise CheckpointError(f"the base model does not match the checkpoint in {folder} ({details})")
-    if recorded.get("fingerprint") and not _same_fingerprint(recorded["fingerprint"], base_fingerprint(base_model)):
+    if recorded.get("fingerprint") and not same_fingerprint(recorded["fingerprint"], base_fingerprint(base_model)):
         raise CheckpointError(f"the base model is not the one the checkpoint in {folder} was made for: same shapes, "
                               "different weights (its embedding fingerprint differs)")
 

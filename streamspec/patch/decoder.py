@@ -111,7 +111,7 @@ class DecoderParts(nn.Module):
         """Draft through a bfloat16 copy of the LM head (`draft_head`), packed for streamspec's CPU
         kernels: on a CPU a draft's LM head reads the whole vocabulary's weights for a few rows,
         so half the bytes is most of the time saved (SmolLM2-135M: 113 MB of float32 weights a
-        draft, 57 MB in bf16; docs/benchmarks.md, "Sixteenth session", has the passes' times). Only for a float32 model whose LM head is an
+        draft, 57 MB in bf16; docs/benchmarks.md, "The step at the machine's limit"). Only for a float32 model whose LM head is an
         `nn.Linear` on the CPU, where `streamspec.native`'s kernels run; returns whether it is on.
         The copy is kept outside the module's parameters and state dict (never saved), and made
         again when an eager call finds the LM head's weight changed (a compiled graph keeps the

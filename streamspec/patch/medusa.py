@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..arch import arch_spec
+from ..fingerprint import same_fingerprint
 from .decoder import DecoderParts, _is_peft
 from .layout import causal, main_allowed, position_ids_from_mask
 from .loss import cross_entropy_and_top1, frozen
@@ -272,9 +273,7 @@ def load_medusa_heads(model: MedusaModel, folder: str | Path) -> None:
     wrong = {k: (recorded.get(k), v) for k, v in actual.items() if recorded.get(k) != v}
     if wrong:
         raise CheckpointError(f"{folder} was trained on another base model: (recorded, actual) {wrong}")
-    from .checkpoint import _same_fingerprint
-
-    if recorded.get("fingerprint") and not _same_fingerprint(recorded["fingerprint"], base_fingerprint(model.hf_model)):
+    if recorded.get("fingerprint") and not same_fingerprint(recorded["fingerprint"], base_fingerprint(model.hf_model)):
         raise CheckpointError(f"{folder} was trained on another base model of the same shape (weights differ)")
     weights = folder / MEDUSA_WEIGHTS_FILE
     if not weights.is_file():

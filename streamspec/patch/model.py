@@ -16,27 +16,19 @@ wrapper modules put in place of the layers' own modules once (`streamspec.patch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers.utils import ModelOutput
 
-from ..arch import ArchSpec, arch_spec, sliding_window
+from ..arch import ArchSpec, arch_spec
 from ..config import StreamConfig
 from .layout import (
-    carrying_positions,
-    causal,
-    last_real_positions,
-    main_allowed,
-    position_ids_from_mask,
     stream_allowed,
     stream_position_ids,
-    stream_slots,
     to_bias,
 )
-from .loss import cross_entropy_and_top1, frozen
+from .loss import frozen
 from .stream_modules import (
     STREAM_ROWS,
     StreamAdapter,
@@ -45,42 +37,20 @@ from .stream_modules import (
     remove_stream_modules,
     replace_submodule,
 )
-from .offline import OfflineStreams
+from .prefix import KVCapture, KVPrefix
 from .saving import save_streamed
 from .decoder import DecoderParts, _is_peft
-from .objective import loss_terms, offline_total_loss, stored_main_counts, total_loss
+from .forward import StreamedOutput, TrainingForward  # noqa: F401 (StreamedOutput: re-exported)
 from .parameters import StreamAdapters, StreamParameters, _adapter_target, linear_targets
 
 if TYPE_CHECKING:  # only named in signatures: the patch does not depend on decoding
     from .cache import MainStreamCache
 
 
-@dataclass
-class StreamedOutput(ModelOutput):
-    """Output of `StreamedModel.forward`.
-
-    Attributes:
-        loss: α0·CE(main) + Σj αj·CE(stream j) + CE(early exit), when labels are given.
-        loss_parts: each term before weighting: ``main``, ``stream_1``..``stream_γ``, ``early_exit``.
-        logits: [B, T, V] main-stream logits (None when labels are given, unless asked for).
-        stream_logits: [B, T, γ, V]; ``[:, t, j-1]`` predicts the token at t+1+j. Positions that
-            carry no streams (see `stream_mask`) hold NaN.
-        early_exit_logits: [B, T, V] logits read at the input of layer N−Ns.
-        stream_mask: [B, T] bool, True where a position carries streams.
-    """
-
-    loss: torch.Tensor | None = None
-    loss_parts: dict[str, torch.Tensor] | None = None
-    logits: torch.Tensor | None = None
-    stream_logits: torch.Tensor | None = None
-    early_exit_logits: torch.Tensor | None = None
-    stream_mask: torch.Tensor | None = None
-
-
 _LOSSLESS_NO_LORA = "mode='lossless' keeps the base frozen and exact; it cannot take a LoRA adapter"
 
 
-class StreamedModel(OfflineStreams, DecoderParts):
+class StreamedModel(TrainingForward, DecoderParts):
     """A causal LM with speculative streams in its top `stream_layers` layers. Build with
     `add_streams`."""
 
@@ -194,7 +164,7 @@ class StreamedModel(OfflineStreams, DecoderParts):
         kernels compute each row on its own). In a 7-node confidence tree's pass of the shipped
         SQL streams, 21 of the 28 rows in each of the 4 MSA layers are stream rows: their products
         read bf16 weights (side by side, `eval/bf16_stream_rows_ab.py`: −2% to +4% tokens/s on
-        this project's 2-core CPU, within its noise; docs/benchmarks.md, "Eighteenth session").
+        this project's 2-core CPU, within its noise; docs/benchmarks.md, "The step at the machine's limit").
         Only in lossless mode (in shared mode the main stream attends to the streams, so their
         rounding would reach the tokens) and for a float32 model packed for streamspec's CPU
         kernels (`pack_linear_layers`, as `load_for_inference` does on a CPU) where they run in
@@ -202,7 +172,7 @@ class StreamedModel(OfflineStreams, DecoderParts):
         The copies (the MSA layers' linear weights once more, in bf16) are never saved, and are
         made again when an eager call finds a weight changed (a compiled graph keeps those it was
         traced with). Training is untouched: calls that record gradients run in float32."""
-        from ..decoding.formulation import formulation
+        from ..devices import formulation
         from ..kernels import PackedLinear, use_low_precision_rows
 
         # only where the device's formulation of a pass keeps stream rows apart (the CPU); on CUDA
@@ -280,129 +250,41 @@ class StreamedModel(OfflineStreams, DecoderParts):
             cache.main_length = None
         return x
 
-    # -- training / scoring forward -------------------------------------------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        return_logits: bool | None = None,
-        loss_chunk_size: int = 256,
-        streams_at: str = "all",
-        activations: dict[str, torch.Tensor] | None = None,
-    ) -> StreamedOutput:
-        """Main, stream and early-exit predictions for a batch, and the loss when labels are given.
-
-        Args:
-            input_ids: [B, T] token ids.
-            attention_mask: [B, T], 1 for real tokens, 0 for padding (left or right).
-            labels: [B, T] labels aligned with input_ids (HF convention: the model shifts them),
-                -100 where no loss is taken. Decides which positions carry streams (see
-                `streamspec.patch.layout.carrying_positions`).
-            return_logits: also return the full logits tensors; default: only without labels.
-            loss_chunk_size: positions per LM-head call in the loss.
-            streams_at: without labels, which positions carry streams: ``"all"`` (every real
-                position: stream predictions everywhere) or ``"last"`` (each row's last real
-                position only: what decoding computes for a prompt, so in shared mode the last
-                position's main logits are exactly decoding's first step; with ``"all"`` they
-                differ there, since every earlier main position also attended to its own streams).
-                With labels the labels decide, and this must stay ``"all"``.
-            activations: offline training (lossless mode): the frozen main stream's stored
-                activations for this batch, as `streamspec.training.activations.ActivationCollator`
-                makes them; only the streams run, and loss and gradients equal the online path's.
-        """
-        if activations is not None:
-            if labels is None or return_logits:
-                raise ValueError("activations are for offline training: they need labels and give no logits")
-            hidden = self._offline_hidden(input_ids, attention_mask, labels, activations)
-            loss, parts = offline_total_loss(self, *hidden, loss_chunk_size)
-            return StreamedOutput(loss=loss, loss_parts=parts, stream_mask=hidden[-1])
-        if streams_at not in ("all", "last"):
-            raise ValueError(f"streams_at must be 'all' or 'last', got {streams_at!r}")
-        if streams_at != "all" and labels is not None:
-            raise ValueError("streams_at='last' is for inference; with labels the labels decide which positions carry streams")
-        lower, main, streams, index, valid, carry, labels = self._hidden(input_ids, attention_mask, labels, streams_at)
-        if return_logits is None:
-            return_logits = labels is None
-        out = StreamedOutput(stream_mask=carry)
-        if labels is not None:
-            out.loss, out.loss_parts = total_loss(self, loss_terms(self, lower, main, streams, index, valid, labels), loss_chunk_size)
-        if return_logits:
-            out.logits = self.head(main)
-            out.early_exit_logits = self.early_exit_head(lower)
-            out.stream_logits = self._scatter_stream_logits(streams, index, valid, input_ids.shape[1])
-        return out
-
+    # -- offline training: the frozen main stream computed once (streamspec.training.activations)
     @torch.no_grad()
-    def evaluate_counts(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-        chunk_size: int = 256, activations: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, float]:
-        """Sums for validation, per term (``main``, ``stream_j``, ``early_exit``): ``{term}_loss_sum``,
-        ``{term}_correct`` (top-1 equals the target; for stream j the token at t+1+j) and
-        ``{term}_count``. Needs labels; never builds the full logits."""
-        if labels is None:
-            raise ValueError("evaluate_counts needs labels")
-        head = self.hf_model.get_output_embeddings()
-        sums: dict[str, float] = {}
-        if activations is not None:
-            lower, streams, index, valid, labels, stored, _ = self._offline_hidden(input_ids, attention_mask, labels, activations)
-            sums.update(stored_main_counts(labels, stored))
-            terms = loss_terms(self, lower, None, streams, index, valid, labels, own=stored.get("own"))
-        else:
-            lower, main, streams, index, valid, _, labels = self._hidden(input_ids, attention_mask, labels)
-            terms = loss_terms(self, lower, main, streams, index, valid, labels)
-        for name, hidden, target, _, transform in terms:
-            keep = target != -100
-            loss_sum, correct = cross_entropy_and_top1(head, transform(hidden[keep]), target[keep], chunk_size)
-            sums.update({f"{name}_loss_sum": loss_sum, f"{name}_correct": correct, f"{name}_count": int(keep.sum())})
-        return sums
+    def capture_main(self, lower: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor):
+        """The main stream through the MSA layers alone (lossless mode: it never sees a stream).
+        Returns its final hidden states [B, T, h] and each MSA layer's main keys and values
+        ``{layer_idx: [B, kv_heads, T, head_dim]}`` (what `run_streams` attends to)."""
+        self._require_lossless("capture_main")
+        capture = KVCapture()
+        main = self._run_msa(lower, position_ids, to_bias(main_ok, lower.dtype), capture, num_main=lower.shape[1])
+        expected = list(range(self.num_lower_layers, len(self.layers)))
+        if sorted(capture.keys) != expected:
+            raise RuntimeError(f"the MSA layers reported keys for layers {sorted(capture.keys)}, expected {expected}")
+        return main, capture.keys, capture.values
 
-    def _hidden(self, input_ids, attention_mask, labels, streams_at: str = "all"):
-        """The shared forward: final main and stream hidden states (before the final norm) and the
-        hidden states at the input of layer N−Ns, with the stream layout."""
-        real, labels = self._check_inputs(input_ids, attention_mask, labels)
-        carry = carrying_positions(real, labels)
-        if streams_at == "last":  # each row's last real position only, as decoding a prompt does
-            carry = torch.zeros_like(real)
-            carry[torch.arange(real.shape[0], device=real.device), last_real_positions(real)] = True
-        index, valid = stream_slots(carry)
-        position_ids = position_ids_from_mask(real)
-        main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
-        lower = self.run_lower(input_ids, position_ids, main_ok)
-        main, streams = self.run_upper(lower, position_ids, main_ok, index, valid)
-        return lower, main, streams, index, valid, carry, labels
+    def run_streams(self, origin: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor,
+                    index: torch.Tensor, valid: torch.Tensor, prefix: KVPrefix) -> torch.Tensor:
+        """Stream rows only through the MSA layers, attending to the main keys and values in
+        `prefix` (from `capture_main`): in lossless mode the same stream states as `run_upper`
+        from `origin` [B, S, h], the hidden states at the input of layer N−Ns of the positions in
+        `index`. Returns [B, S, γ, h] (before the final norm)."""
+        self._require_lossless("run_streams")
+        batch, num_slots, width = origin.shape
+        g = self.stream_config.num_streams
+        num_main = main_ok.shape[1]
+        x = self.streams(origin).reshape(batch, num_slots * g, width)
+        pos = stream_position_ids(position_ids, index, g)
+        allowed = stream_allowed(main_ok, index, valid, g, shared=False)[:, num_main:]
+        x = self._run_msa(x, pos, to_bias(allowed, x.dtype), prefix, num_main=0)
+        return x.reshape(batch, num_slots, g, width)
 
-    def _check_inputs(self, input_ids, attention_mask, labels):
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            raise ValueError("input_ids must be a [batch, length] LongTensor")
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids is empty: need at least one token")
-        if attention_mask is None:
-            real = torch.ones_like(input_ids, dtype=torch.bool)
-        else:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
-                )
-            real = attention_mask.bool()
-        if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-            if ((labels != -100) & ~real).any():
-                raise ValueError("labels must be -100 wherever attention_mask is 0 (padding has no target)")
-        window = sliding_window(self.config)
-        if window is not None and input_ids.shape[1] > window:
-            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds the model's sliding window {window}")
-        return real, labels
+    def _require_lossless(self, what: str) -> None:
+        if self.stream_config.mode != "lossless":
+            raise ValueError(f"{what} needs mode='lossless': in shared mode the main stream attends to the "
+                             "streams, so it is not a fixed function of the text")
 
-    def _scatter_stream_logits(self, streams, index, valid, num_positions):
-        batch, num_slots, g, _ = streams.shape
-        logits = self.head(streams)
-        full = logits.new_full((batch, num_positions, g, logits.shape[-1]), float("nan"))
-        b, s = valid.nonzero(as_tuple=True)
-        full[b, index[b, s]] = logits[b, s]
-        return full
 
 def add_streams(model: nn.Module, config: StreamConfig | None = None) -> StreamedModel:
     """Patch a transformers causal LM (or a peft model around one) with speculative streams.

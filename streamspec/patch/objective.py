@@ -1,20 +1,17 @@
 """The training objective: next-token loss on the main stream, the future n-gram loss on each
 stream (targets from the data or from the main stream itself), and the early-exit adapter's own
-loss, computed only on rows with a target (METHOD §2)."""
+loss, computed only on rows with a target (METHOD §2). `model` is a
+`streamspec.patch.model.StreamedModel` (named by its base class: the model imports this module)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from .decoder import DecoderParts
 from .loss import weighted_cross_entropy
 
-if TYPE_CHECKING:
-    from .model import StreamedModel
 
-
-def loss_terms(model: "StreamedModel", lower, main, streams, index, valid, labels, own=None):
+def loss_terms(model: DecoderParts, lower, main, streams, index, valid, labels, own=None):
     """The loss terms ``(name, hidden, targets, weight, transform)``: main, each stream, and
     the early exit last. `transform` maps selected hidden rows to what the LM head takes.
 
@@ -44,7 +41,7 @@ def loss_terms(model: "StreamedModel", lower, main, streams, index, valid, label
 
 
 @torch.no_grad()
-def main_predictions(model: "StreamedModel", main, next_labels, norm, chunk: int = 256):
+def main_predictions(model: DecoderParts, main, next_labels, norm, chunk: int = 256):
     """For stream_targets='main': labels-shaped targets whose entry at position p is the main
     stream's top-1 prediction made at p−1 (for the token at p), -100 where the data has no
     target there."""
@@ -58,7 +55,7 @@ def main_predictions(model: "StreamedModel", main, next_labels, norm, chunk: int
     return torch.cat([next_labels.new_full((next_labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
 
 
-def total_loss(model: "StreamedModel", terms, chunk):
+def total_loss(model: DecoderParts, terms, chunk):
     """Weighted sum of the terms' cross-entropies, each a mean over its rows with a target;
     only those rows go through the LM head. The early-exit term (last) reaches only its
     adapter (see early_exit_head)."""
@@ -132,7 +129,7 @@ def stored_main_counts(labels: torch.Tensor, stored: dict) -> dict[str, float]:
             "main_count": int(keep.sum())}
 
 
-def offline_total_loss(model: "StreamedModel", lower, streams, index, valid, labels, stored, carry, chunk):
+def offline_total_loss(model: DecoderParts, lower, streams, index, valid, labels, stored, carry, chunk):
     """`total_loss` of the online path from stored activations: the stream and early-exit terms
     computed, the main term read from the stored CE (with its weight: it adds a constant)."""
     terms = loss_terms(model, lower, None, streams, index, valid, labels, own=stored.get("own"))

@@ -8,17 +8,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from .stream_modules import remove_stream_modules, stream_modules_taken_out
+from .decoder import DecoderParts
 from .zero import gathered
-
-if TYPE_CHECKING:
-    from .model import StreamedModel
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +76,8 @@ def write_custom_generate(folder: str | Path) -> Path:
     return target
 
 
-def save_streamed(model: StreamedModel, directory: str | Path, merge: bool = False, tokenizer=None) -> Path:
-    """Write `model` as a streamed checkpoint (see the module docstring); returns the folder."""
+def save_streamed(model: DecoderParts, directory: str | Path, merge: bool = False, tokenizer=None) -> Path:
+    """Write `model` (a `streamspec.patch.model.StreamedModel`) as a streamed checkpoint (see the module docstring); returns the folder."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     hf_config = model.config

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -41,14 +42,28 @@ _DONE = object()
 
 def create_app(loaded: LoadedModel, *, served_model_name: str | None = None, tree_top_k: int | tuple[int, ...] = 3,
                prune_threshold: float | None = None, max_model_len: int | None = None, lookup=None,
-               tree_budget: int | None = None, config=None) -> FastAPI:
+               tree_budget: int | None = None, config=None, api_key: str | None = None) -> FastAPI:
     """The app serving `loaded` (see `streamspec.loading.load_for_inference`) under the name
-    `served_model_name` (default: its source)."""
+    `served_model_name` (default: its source). With `api_key`, every ``/v1/`` request must carry
+    ``Authorization: Bearer <api_key>`` (as OpenAI's clients send it) or is answered 401;
+    ``/health`` and ``/metrics`` stay open, as vLLM's do."""
     engine = Engine(loaded, tree_top_k=tree_top_k, prune_threshold=prune_threshold, max_model_len=max_model_len,
                     lookup=lookup, tree_budget=tree_budget, config=config)
     name = served_model_name or loaded.source
     app = FastAPI(title="streamspec serve", description="OpenAI-compatible speculative-streaming server")
     app.state.engine = engine
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1/") and not secrets.compare_digest(given, expected):
+                engine.metrics.count("errors")
+                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's "
+                                   "--api-key)", type="authentication_error", code="invalid_api_key")
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:

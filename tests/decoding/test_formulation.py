@@ -1,11 +1,11 @@
 """The CPU and CUDA formulations of a decoding pass are chosen in one place
-(`streamspec.decoding.formulation`); what each device gets is checked here without the device."""
+(`streamspec.devices.formulation`); what each device gets is checked here without the device."""
 
 from __future__ import annotations
 
 import torch
 
-from streamspec.decoding.formulation import formulation
+from streamspec.devices import formulation
 from streamspec.decoding.graphs import cpp_wrapper_wanted, cuda_graphs_wanted
 from streamspec.devices import auto_dtype, resolve_dtype
 

@@ -85,7 +85,7 @@ def test_plain_model_session_equals_transformers_generate(arch):
 
 
 def test_lossless_session_matches_its_base_under_sampling(arch):
-    """Same seed, same draws: a lossless streamed session samples what its plain base samples
+    """Same seed, same draws: a lossless streamed decoding session samples what its plain base samples
     one token at a time (the stream tree only decides how many draws a pass checks)."""
     model = streamed(arch, "lossless", seed=2)
     prompt = random_ids(1, 5, 7)[0].tolist()

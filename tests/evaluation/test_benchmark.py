@@ -183,7 +183,14 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
     assert set(summary) >= {"baseline", "prompt_lookup", "streamed_ar", "chain", "tree_lookup"}
     assert "tree" not in summary  # (the fixed tree alone: left out for the demo's minutes)
     assert all(summary[name]["identical_to_autoregressive"] for name in ("chain", "tree_lookup"))
-    assert "| method |" in shown and "tokens_per_pass.png" in shown
+    # the columns a user reads; exact match and validity stay in the JSON
+    assert "| method | tokens/s | speedup | CRR | identical |" in shown and "tokens_per_pass.png" in shown
+    table = [line for line in shown.splitlines() if line.startswith("| ")]
+    assert table and not any("valid" in line or "exact" in line or "ms_" in line for line in table)
+    chain_row = next(line for line in table if line.startswith("| chain "))
+    assert chain_row.endswith("| yes |") and "×" in chain_row
+    saved = json.loads((tmp_path / "demo" / "benchmark" / "benchmark.json").read_text())["methods"]
+    assert "exact_match" in saved["chain"]
     assert (tmp_path / "demo" / "benchmark" / "benchmark.json").is_file()
     load_streamed(tmp_path / "demo" / "train" / "final")
     with pytest.raises(ValueError, match="steps, limit and fine_tune_limit"):
@@ -233,7 +240,6 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name, options", [
     ("benchmark.py", ("--checkpoint", "--task", "--baseline", "--sweep", "--data")),
     ("decode_crr.py", ("--checkpoint", "--task", "--split", "--limit", "--trees", "--pruned")),
-    ("stream_adapter_cost.py", ("--checkpoint", "--task", "--limit", "--repeats")),
     ("reason_draft_speed.py", ("--drafter", "--offset", "--limit", "--trees", "--repeats")),
     ("draft_accuracy.py", ("--recipe", "--checkpoints", "--batch-size", "--limit")),
     ("draft_parameters.py", ("--num-drafts", "--stream-layers", "--adapter-rank")),

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from conftest import hf_greedy, make_model, random_ids
 from streamspec import StreamConfig, add_streams
 from streamspec.evaluation.peers import (
+    AUTO_PEERS,
     PEERS,
     add_memory_floor,
     floor_ms,
@@ -26,10 +27,12 @@ from streamspec.evaluation.peers import (
 
 
 def test_peer_names_parse_and_bad_ones_are_refused():
-    assert peers_arg("auto") == PEERS and peers_arg("none") == ()
+    assert peers_arg("auto") == AUTO_PEERS and peers_arg("all") == PEERS and peers_arg("none") == ()
+    assert not any(p.startswith("vllm") for p in AUTO_PEERS)  # vLLM rows start engines: asked for by name
     assert peers_arg("llama_cpp, memory_floor") == ("llama_cpp", "memory_floor")
-    with pytest.raises(ValueError, match="unknown peer.*vllm"):
-        peers_arg("llama_cpp,vllm")
+    assert peers_arg("vllm,vllm_streams") == ("vllm", "vllm_streams")
+    with pytest.raises(ValueError, match="unknown peer.*sglang"):
+        peers_arg("llama_cpp,sglang")
 
 
 def test_weight_bytes_count_what_a_pass_reads():
@@ -140,4 +143,4 @@ def test_the_benchmark_gives_the_floor_row_and_refuses_what_it_cannot_run(tiny_d
     with pytest.raises(ValueError, match="need a GGUF"):
         run_benchmark(str(tmp_path / "c"), peers=("llama_cpp",), **options)
     with pytest.raises(ValueError, match="unknown peer"):
-        run_benchmark(str(tmp_path / "c"), peers=("vllm",), **options)
+        run_benchmark(str(tmp_path / "c"), peers=("sglang",), **options)

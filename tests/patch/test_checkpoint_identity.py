@@ -1,4 +1,4 @@
-"""Checkpoints that travel (issue 12 §3): a base of the same shape but other weights is refused, a
+"""Checkpoints that travel: a base of the same shape but other weights is refused, a
 checkpoint moved together with its base still loads, and a base without a name saves
 adapters-only and then needs base_model=."""
 

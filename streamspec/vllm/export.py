@@ -1,0 +1,157 @@
+"""`streamspec export --format vllm`: a streamed checkpoint as the drafter folder vLLM loads.
+
+The folder holds a ``config.json`` (the base's own config, with the drafter's architecture, its
+Ns layers, the aux layer id N−Ns vLLM feeds it, the mask token, and a ``streamspec`` section with
+γ, Ns, the adapter rank and the base's facts) and ``model.safetensors``: the base's top Ns layers,
+its final norm, the stream vectors and the stream adapters. No embeddings or LM head: vLLM shares
+the served model's with the drafter. Runs without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import ARCHITECTURES
+from .format import CHECKED, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, recommended_drafts
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def drafter_tensors(model) -> dict[str, torch.Tensor]:
+    """The drafter's weights from a `StreamedModel`, named as `StreamsDrafter.load_weights` reads them."""
+    from ..patch.stream_modules import stream_modules_taken_out
+
+    config = model.stream_config
+    tensors: dict[str, torch.Tensor] = {}
+    first = model.num_lower_layers
+    with stream_modules_taken_out(model.hf_model):
+        for i, layer in enumerate(model.layers[first:]):
+            for name, value in layer.state_dict().items():
+                tensors[f"layers.{i}.{name}"] = value
+    tensors["norm.weight"] = getattr(model.decoder, model.arch.norm).weight
+    tensors["stream_vectors"] = model.streams.stream_embeddings
+    if config.stream_adapter_rank is not None:
+        for i, layer in enumerate(model.streams.adapters.layers):
+            for key, pair in layer.items():
+                tensors[f"adapters.{i}.{key}.down"] = pair.down.weight
+                tensors[f"adapters.{i}.{key}.up"] = pair.up.weight
+    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+
+
+def drafter_config(model, base_name: str | None) -> dict:
+    """config.json of the drafter folder for a `StreamedModel` (see the module docstring)."""
+    from ..patch.saving import base_fingerprint
+
+    hf = model.hf_model.config
+    cfg = model.stream_config
+    arch = ARCHITECTURES[hf.model_type]
+    first = model.num_lower_layers
+    out = hf.to_dict()
+    out.pop("quantization_config", None)
+    out["architectures"] = [arch]
+    out["num_hidden_layers"] = cfg.stream_layers
+    if isinstance(out.get("layer_types"), list):
+        out["layer_types"] = out["layer_types"][first:]
+    out["eagle_aux_hidden_state_layer_ids"] = [first]
+    mask = hf.pad_token_id if isinstance(hf.pad_token_id, int) else 0
+    out["mask_token_id"] = mask
+    facts = {name: getattr(hf, name, None) for name in CHECKED}
+    out["streamspec"] = {
+        "format": DRAFTER_FORMAT,
+        "format_version": DRAFTER_FORMAT_VERSION,
+        "num_streams": cfg.num_streams,
+        "stream_layers": cfg.stream_layers,
+        "first_layer": first,
+        "stream_adapter_rank": cfg.stream_adapter_rank,
+        "mask_token_id": mask,
+        "num_speculative_tokens": recommended_drafts(cfg.num_streams),
+        "base_name": base_name,
+        "base_fingerprint": base_fingerprint(model.hf_model),
+        **facts,
+    }
+    return out
+
+
+def check_exportable(stream_config, model_type: str) -> None:
+    """Refuse what vLLM's drafter cannot run, saying why."""
+    from ..patch.saving import CheckpointError
+
+    if stream_config.mode != "lossless":
+        raise CheckpointError(
+            "vLLM verifies with the base model alone and drafts in a separate pass over copies of its top layers; "
+            "a shared-mode checkpoint's main stream attends to its streams (and carries LoRA), so what it "
+            "decodes is not the base's: only lossless checkpoints export to vLLM")
+    if stream_config.stream_init != "identity":
+        raise CheckpointError(f"the vLLM drafter makes streams as main + rms·P_j (stream_init='identity'); this "
+                              f"checkpoint has stream_init={stream_config.stream_init!r}")
+    if model_type not in ARCHITECTURES:
+        raise CheckpointError(f"the vLLM drafter supports {sorted(ARCHITECTURES)} bases; this checkpoint's base is "
+                              f"{model_type!r}")
+
+
+def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.dtype | None = None) -> Path:
+    """Write the vLLM drafter folder for a lossless streamed checkpoint into `out`; returns it.
+
+    Serve it with ``vllm serve BASE --speculative-config '{"method": "eagle3", "model": OUT,
+    "num_speculative_tokens": γ+1, "parallel_drafting": true}'`` after ``pip install streamspec``
+    in vLLM's environment (docs/serving.md)."""
+    from ..config import StreamConfig
+    from ..devices import dtype_or_base
+    from ..patch.checkpoint import checkpoint_folder, load_streamed, read_checkpoint_meta, recorded_base
+
+    folder = checkpoint_folder(checkpoint)
+    meta = read_checkpoint_meta(folder)
+    stream_config = StreamConfig.from_dict(meta["stream_config"])
+    check_exportable(stream_config, meta.get("base_model", {}).get("model_type"))
+    base_name = recorded_base(folder, meta)
+    model = load_streamed(folder, dtype=dtype_or_base(dtype, base_name))
+    tensors = drafter_tensors(model)
+    config = drafter_config(model, meta.get("base_model", {}).get("name_or_path") or base_name)
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
+    (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    check_drafter_folder(target)
+    return target
+
+
+def check_drafter_folder(folder: str | Path) -> dict:
+    """Refuse a drafter folder whose tensors are not those its config asks for; returns the config."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    facts = config.get("streamspec") or {}
+    if facts.get("format") != DRAFTER_FORMAT:
+        raise ValueError(f"{folder} is not a streamspec vLLM drafter folder")
+    names = set(load_file(str(folder / WEIGHTS_FILE)))
+    layers = {n.split(".")[1] for n in names if n.startswith("layers.")}
+    expected_layers = {str(i) for i in range(facts["stream_layers"])}
+    adapters = {n for n in names if n.startswith("adapters.")}
+    problems = []
+    if layers != expected_layers:
+        problems.append(f"layers {sorted(layers)} (expected {sorted(expected_layers)})")
+    if "stream_vectors" not in names or "norm.weight" not in names:
+        problems.append("no stream_vectors or norm.weight")
+    if bool(adapters) != bool(facts.get("stream_adapter_rank")):
+        problems.append(f"{len(adapters)} adapter tensors for stream_adapter_rank={facts.get('stream_adapter_rank')}")
+    if problems:
+        raise ValueError(f"{folder}: " + "; ".join(problems))
+    return config
+
+
+def serve_command(folder: str | Path) -> str:
+    """The ``vllm serve`` command line for a drafter folder (its base and recommended K)."""
+    config = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+    facts = config["streamspec"]
+    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": facts["num_speculative_tokens"],
+            "parallel_drafting": True}
+    base = facts.get("base_name") or "BASE"
+    if base.startswith("streamspec:"):  # a built-in model: vLLM loads its converted folder
+        from ..assets import builtin_model_path
+
+        base = builtin_model_path(base)
+    return f"vllm serve {base} --speculative-config '{json.dumps(spec)}'"

@@ -1,0 +1,121 @@
+"""Decode token-id prompts with vLLM, plain or with a drafter, and write what came out as JSON.
+
+Runs inside vLLM's environment (``make vllm`` builds ``.venv-vllm``): streamspec's benchmark and
+tests call it through a subprocess, so the rest of streamspec never imports vLLM.
+
+    python -m streamspec.vllm.run SPEC.json OUT.json
+
+SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
+"prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "streams",
+"folder": drafter folder, "num_speculative_tokens": K, "concurrency": 1 | n}, ...]}``. Each run
+gets a fresh engine; OUT holds, per run, each prompt's output token ids, the wall time of the
+decode, tokens/s, and vLLM's own speculative counters.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+from .format import ALIGNMENT_ENV
+
+# vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def speculative_config(run: dict) -> dict | None:
+    """vLLM's ``speculative_config`` for one run of the spec."""
+    drafter = run.get("drafter", "none")
+    if drafter == "none":
+        return None
+    if drafter == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": run.get("num_speculative_tokens", 4),
+                "prompt_lookup_max": run.get("prompt_lookup_max", 4), "prompt_lookup_min": 1}
+    if drafter == "streams":
+        config = {"method": "eagle3", "model": run["folder"], "parallel_drafting": True}
+        if run.get("num_speculative_tokens"):
+            config["num_speculative_tokens"] = run["num_speculative_tokens"]
+        else:  # the folder's recommendation: every stream drafts
+            with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
+                config["num_speculative_tokens"] = json.load(f)["streamspec"]["num_speculative_tokens"]
+        return config
+    raise ValueError(f"drafter must be none, ngram or streams, got {drafter!r}")
+
+
+def counters(llm) -> dict[str, float]:
+    """vLLM's speculative-decoding counters (``vllm:spec_decode_*``) as name -> value."""
+    found: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode") and hasattr(metric, "value"):
+            found[metric.name] = found.get(metric.name, 0) + metric.value
+    return found
+
+
+def decode(spec: dict, run: dict) -> dict:
+    """One run: a fresh engine, every prompt (one at a time, or `concurrency` at once), its figures."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    concurrency = int(run.get("concurrency", 1))
+    speculative = speculative_config(run)
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=spec.get("enforce_eager", True),
+              max_model_len=spec.get("max_model_len"), max_num_seqs=max(concurrency, 1),
+              skip_tokenizer_init=True, speculative_config=speculative, disable_log_stats=False,
+              seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 96),
+                            ignore_eos=spec.get("ignore_eos", False), detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    if spec.get("warmup", True):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
+    before = counters(llm)
+    outputs: list[list[int]] = []
+    log = os.environ.get(ALIGNMENT_ENV)
+    log_lines: list[int] = []  # the drafter's alignment log: its length after each batch
+    start = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        for result in llm.generate(prompts[i:i + concurrency], params, use_tqdm=False):
+            outputs.append(list(result.outputs[0].token_ids))
+        if log and run.get("drafter") == "streams":
+            log_lines.append(_lines(log))
+    seconds = time.perf_counter() - start
+    after = counters(llm)
+    spec_counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    drafts = spec_counters.get("vllm:spec_decode_num_drafts", 0)
+    accepted = spec_counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    tokens = sum(len(o) for o in outputs)
+    del llm
+    gc.collect()
+    return {"name": run.get("name", run.get("drafter", "none")), "drafter": run.get("drafter", "none"),
+            "num_speculative_tokens": (speculative or {}).get("num_speculative_tokens"),
+            "concurrency": concurrency, "outputs": outputs, "seconds": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else 0.0, "counters": spec_counters,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "alignment_lines": log_lines}
+
+
+def _lines(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m streamspec.vllm.run SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    results = []
+    for run in spec["runs"]:
+        results.append(decode(spec, run))
+        with open(argv[1], "w", encoding="utf-8") as f:  # after every run: a later failure keeps the earlier
+            json.dump({"runs": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

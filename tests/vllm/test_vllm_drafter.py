@@ -1,0 +1,187 @@
+"""The streams as vLLM's drafter, run in vLLM itself (its CPU build, in `make vllm`'s environment):
+greedy outputs identical to vLLM without speculation, the drafter aligned with the target, its
+drafts equal to streamspec's own stream predictions, vLLM's acceptance counters read back, and a
+drafter for another base refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from streamspec import StreamConfig, add_streams, load_streamed
+from streamspec.vllm.client import VLLMRunError, run_vllm, vllm_python
+from streamspec.vllm.format import ALIGNMENT_ENV
+from streamspec.vllm.export import export_for_vllm
+
+try:
+    vllm_python()
+except FileNotFoundError as err:  # `make test` builds the environment first
+    pytest.skip(str(err), allow_module_level=True)
+
+NEW_TOKENS = 24
+
+
+def tiny_config(arch: str):
+    """Small, but wide enough for vLLM's CPU attention kernels (head size 32)."""
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen2":
+        return Qwen2Config(use_sliding_window=False, **shape)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=None, **shape)
+    return LlamaConfig(**shape)
+
+
+def tiny_streams(root: Path, arch: str, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny random base folder and the vLLM drafter of random lossless streams on it."""
+    torch.manual_seed(seed)
+    base = root / f"{arch}-{seed}"
+    AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(base)
+    model = add_streams(AutoModelForCausalLM.from_pretrained(base).eval(),
+                        StreamConfig(mode="lossless", num_streams=3, stream_layers=2, stream_adapter_rank=8, main_weight=0.0))
+    with torch.no_grad():
+        for p in model.streams.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(root / f"{arch}-{seed}-streams")
+    return base, export_for_vllm(root / f"{arch}-{seed}-streams", root / f"{arch}-{seed}-drafter")
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def passes_by_prompt(log: list[dict], lines: list[int]) -> list[list]:
+    """The drafter's logged passes ([p, drafts]) of each prompt (decoded one at a time)."""
+    out, start = [], 0
+    for end in lines:
+        out.append([entry for record in log[start:end] for entry in record["passes"]])
+        start = end
+    return out
+
+
+def drafts_agreement(model, prompts: list[list[int]], outputs: list[list[int]], passes: list[list]) -> tuple[int, int]:
+    """How many logged drafts equal streamspec's own stream predictions (the argmax of stream j at
+    position p over the final text, lossless: it depends on the tokens up to p only)."""
+    same = total = 0
+    for prompt, output, logged in zip(prompts, outputs, passes):
+        ids = torch.tensor([prompt + output])
+        with torch.no_grad():
+            streams = model(ids, streams_at="all").stream_logits[0].argmax(-1)  # [T, γ]
+        for p, drafts in logged:
+            for j, token in enumerate(drafts):
+                if p < ids.shape[1]:
+                    total += 1
+                    same += int(streams[p, j]) == token
+    return same, total
+
+
+def check_alignment(log: list[dict]) -> None:
+    checked = sum(r["checked"] for r in log)
+    assert checked > 0
+    assert sum(r["agreed"] for r in log) == checked
+    assert all(r["positions_ok"] for r in log)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Per architecture: plain and streams runs of the same prompts, with the drafter's log."""
+    root = tmp_path_factory.mktemp("vllm-tiny")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (17, 30, 9)]
+    results = {}
+    for arch in ("llama", "qwen2", "mistral"):
+        base, drafter = tiny_streams(root, arch)
+        log = root / f"{arch}.jsonl"
+        spec = {"model": str(base), "prompts": prompts, "max_tokens": NEW_TOKENS, "ignore_eos": True, "warmup": False,
+                "max_model_len": 256, "runs": [{"drafter": "none"}, {"drafter": "streams", "folder": str(drafter)}]}
+        runs = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
+        results[arch] = dict(base=base, drafter=drafter, runs=runs, log=read_log(log), prompts=prompts, root=root)
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_tiny_bases_decode_identically_with_the_streams_drafting(tiny, arch):
+    plain, streams = tiny[arch]["runs"]
+    assert [len(o) for o in plain["outputs"]] == [NEW_TOKENS] * 3
+    assert streams["outputs"] == plain["outputs"]
+    assert streams["counters"]["vllm:spec_decode_num_drafts"] > 0  # the drafter ran
+    check_alignment(tiny[arch]["log"])
+    model = load_streamed(tiny[arch]["root"] / f"{arch}-0-streams")
+    same, total = drafts_agreement(model, tiny[arch]["prompts"], streams["outputs"],
+                                   passes_by_prompt(tiny[arch]["log"], streams["alignment_lines"]))
+    assert total >= 3 * NEW_TOKENS // 2  # (γ drafts a pass)
+    assert same == total
+
+
+def test_a_drafter_fed_the_wrong_layer_is_caught(tiny):
+    """The alignment check fails loudly when the drafter is fed another layer's hidden state (as a
+    mapping drift would), while the target's verification still keeps the outputs exact."""
+    drafter = tiny["llama"]["drafter"]
+    config = json.loads((drafter / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [config["eagle_aux_hidden_state_layer_ids"][0] - 1]
+    (drafter / "config.json").write_text(json.dumps(config))
+    log = tiny["llama"]["root"] / "wrong-layer.jsonl"
+    spec = {"model": str(tiny["llama"]["base"]), "prompts": tiny["llama"]["prompts"], "max_tokens": NEW_TOKENS,
+            "ignore_eos": True, "warmup": False, "max_model_len": 256,
+            "runs": [{"drafter": "streams", "folder": str(drafter)}]}
+    (run,) = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
+    records = read_log(log)
+    checked, agreed = sum(r["checked"] for r in records), sum(r["agreed"] for r in records)
+    assert checked > 0 and agreed <= checked // 2
+    assert run["outputs"] == tiny["llama"]["runs"][0]["outputs"]
+
+
+def test_a_drafter_for_another_base_is_refused(tiny):
+    other, _ = tiny_streams(tiny["llama"]["root"], "llama", seed=1)  # same shape, other weights
+    spec = {"model": str(other), "prompts": [[5, 6, 7]], "max_tokens": 4, "warmup": False, "max_model_len": 256,
+            "runs": [{"drafter": "streams", "folder": str(tiny["llama"]["drafter"])}]}
+    with pytest.raises(VLLMRunError) as caught:
+        run_vllm(spec)
+    assert "has other weights" in caught.value.output
+
+
+def test_default_model_with_the_shipped_sql_streams(tmp_path):
+    """SmolLM2 with the shipped SQL streams on held-out Spider questions: identical to vLLM without
+    speculation one at a time and 8 at once, vLLM's acceptance counters above 1, and the drafts
+    equal to streamspec's own streams."""
+    from streamspec.assets import default_model_path, load_default_tokenizer
+    from streamspec.data.build import prompt_ids
+    from streamspec.evaluation.benchmark import held_out_rows
+
+    tokenizer = load_default_tokenizer()
+    prompts = [prompt_ids(tokenizer, row)[0].tolist() for row in held_out_rows("sql")[:8]]
+    drafter = export_for_vllm("streamspec:smollm2-135m-sql-streams", tmp_path / "drafter")
+    log = tmp_path / "log.jsonl"
+    spec = {"model": str(default_model_path()), "prompts": prompts, "max_tokens": 48, "warmup": False,
+            "runs": [{"drafter": "none"}, {"drafter": "streams", "folder": str(drafter)},
+                     {"drafter": "streams", "folder": str(drafter), "concurrency": 8}]}
+    plain, streams, batched = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
+    assert streams["outputs"] == plain["outputs"] == batched["outputs"]
+    assert streams["mean_acceptance_length"] > 1.5 and batched["mean_acceptance_length"] > 1.5
+    records = read_log(log)
+    one_at_a_time = records[:streams["alignment_lines"][-1]]
+    check_alignment(one_at_a_time)
+    model = load_streamed("streamspec:smollm2-135m-sql-streams")
+    same, total = drafts_agreement(model, prompts, streams["outputs"],
+                                   passes_by_prompt(one_at_a_time, streams["alignment_lines"]))
+    assert total > 0 and same >= 0.98 * total  # (float32 near-ties aside)
+
+
+def test_the_benchmark_rows(tiny):
+    """`streamspec eval --peers vllm_streams`'s rows: plain vLLM beside the streams, one request at a
+    time and two at once, each compared with plain vLLM and with the benchmark's baseline."""
+    from streamspec.evaluation.vllm_peers import vllm_rows
+
+    root, prompts = tiny["llama"]["root"], tiny["llama"]["prompts"]
+    baseline = tiny["llama"]["runs"][0]["outputs"]
+    rows = vllm_rows(("vllm_streams",), str(root / "llama-0-streams"), str(tiny["llama"]["base"]), prompts, NEW_TOKENS,
+                     [o[:NEW_TOKENS] for o in baseline], baseline_tps=100.0, concurrency=(1, 2))
+    assert sorted(rows) == ["vllm", "vllm@2", "vllm_streams", "vllm_streams@2"]
+    for name, row in rows.items():
+        assert row["identical_to_vllm"] and row["tokens"] > 0 and row["speedup"] == round(row["tokens_per_second"] / 100, 3)
+        assert (row["mean_acceptance_length"] is None) == (name in ("vllm", "vllm@2"))  # only drafters accept
+    assert rows["vllm_streams@2"]["concurrency"] == 2

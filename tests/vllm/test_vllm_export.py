@@ -1,0 +1,128 @@
+"""`streamspec export --format vllm`: the drafter folder vLLM loads, and what it refuses. No vLLM
+needed here (tests/vllm/test_vllm_drafter.py runs the folders in vLLM)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from streamspec import StreamConfig, add_streams
+from streamspec.cli import main
+from streamspec.patch.saving import CheckpointError
+from streamspec.patch.stream_modules import stream_modules_taken_out
+from streamspec.vllm import ARCHITECTURES
+from streamspec.vllm.export import check_drafter_folder, export_for_vllm
+from streamspec.vllm.format import check_target
+
+from conftest import make_config
+
+LOSSLESS = dict(mode="lossless", num_streams=3, stream_layers=2, stream_adapter_rank=4, main_weight=0.0)
+
+
+def streamed_checkpoint(tmp_path, arch: str, seed: int = 0, **config) -> tuple:
+    """A tiny base saved as a folder and a streamed checkpoint of it with random (non-zero) stream
+    weights; returns (base folder, checkpoint folder, the streamed model)."""
+    torch.manual_seed(seed)
+    base_dir, ckpt = tmp_path / f"{arch}-base", tmp_path / f"{arch}-streams"
+    AutoModelForCausalLM.from_config(make_config(arch)).save_pretrained(base_dir)
+    model = add_streams(AutoModelForCausalLM.from_pretrained(base_dir).eval(), StreamConfig(**{**LOSSLESS, **config}))
+    with torch.no_grad():
+        for p in model.streams.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(ckpt)
+    return base_dir, ckpt, model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_export_writes_the_top_layers_norm_streams_and_adapters(tmp_path, arch):
+    _, ckpt, model = streamed_checkpoint(tmp_path, arch)
+    out = export_for_vllm(ckpt, tmp_path / "drafter")
+    config = check_drafter_folder(out)
+    facts = config["streamspec"]
+    hf = model.hf_model.config
+    assert config["architectures"] == [ARCHITECTURES[arch]]
+    assert config["num_hidden_layers"] == 2 and facts["num_hidden_layers"] == hf.num_hidden_layers
+    assert config["eagle_aux_hidden_state_layer_ids"] == [hf.num_hidden_layers - 2] == [facts["first_layer"]]
+    assert facts["num_streams"] == 3 and facts["num_speculative_tokens"] == 4 and facts["stream_adapter_rank"] == 4
+    assert 0 <= config["mask_token_id"] < hf.vocab_size
+    tensors = load_file(str(out / "model.safetensors"))
+    assert not any("embed" in k or "lm_head" in k for k in tensors)  # vLLM shares the served model's
+    with stream_modules_taken_out(model.hf_model):
+        for i, layer in enumerate(model.layers[-2:]):
+            for name, value in layer.state_dict().items():
+                assert torch.equal(tensors[f"layers.{i}.{name}"], value), name
+    assert torch.equal(tensors["stream_vectors"], model.streams.stream_embeddings)
+    pair = model.streams.adapters.layers[1]["self_attn-q_proj"]
+    assert torch.equal(tensors["adapters.1.self_attn-q_proj.up"], pair.up.weight)
+    assert torch.equal(tensors["norm.weight"], model.decoder.norm.weight)
+
+
+def test_export_refuses_what_the_vllm_drafter_cannot_run(tmp_path):
+    _, shared, _ = streamed_checkpoint(tmp_path, "llama", mode="shared", stream_adapter_rank=None, main_weight=1.0)
+    with pytest.raises(CheckpointError, match="only lossless checkpoints"):
+        export_for_vllm(shared, tmp_path / "a")
+    _, gpt2, _ = streamed_checkpoint(tmp_path, "gpt2")
+    with pytest.raises(CheckpointError, match="'gpt2'"):
+        export_for_vllm(gpt2, tmp_path / "b")
+    _, rotation, _ = streamed_checkpoint(tmp_path, "qwen2", stream_init="value_rotation")
+    with pytest.raises(CheckpointError, match="value_rotation"):
+        export_for_vllm(rotation, tmp_path / "c")
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_a_folder_missing_its_tensors_is_refused(tmp_path):
+    _, ckpt, _ = streamed_checkpoint(tmp_path, "llama")
+    out = export_for_vllm(ckpt, tmp_path / "drafter")
+    tensors = load_file(str(out / "model.safetensors"))
+    from safetensors.torch import save_file
+
+    save_file({k: v for k, v in tensors.items() if not k.startswith("layers.1.")}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="layers"):
+        check_drafter_folder(out)
+
+
+def test_the_drafter_refuses_a_served_model_of_another_shape(tmp_path):
+    _, ckpt, _ = streamed_checkpoint(tmp_path, "llama")
+    facts = json.loads((export_for_vllm(ckpt, tmp_path / "d") / "config.json").read_text())["streamspec"]
+    config = make_config("llama")
+    check_target(facts, config, config.num_hidden_layers)  # its own base: accepted
+    with pytest.raises(ValueError, match="num_hidden_layers: drafter 4, served 6"):
+        check_target(facts, config, 6)
+    config.hidden_size = 48
+    with pytest.raises(ValueError, match="hidden_size"):
+        check_target(facts, config, 4)
+
+
+def test_export_command(tmp_path, capsys):
+    _, ckpt, _ = streamed_checkpoint(tmp_path, "mistral")
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(tmp_path / "v")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(tmp_path / "v")
+    assert '"parallel_drafting": true' in captured.err and '"num_speculative_tokens": 4' in captured.err
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--merge", "--out", str(tmp_path / "w")])
+    assert "--merge" in capsys.readouterr().err
+
+
+def test_the_vllm_rows_become_a_docs_result_file(tmp_path):
+    from streamspec.evaluation.results import load_result, render_table
+    from streamspec.evaluation.vllm_peers import result_table
+
+    def row(tps, concurrency, acceptance, identical=True):
+        return {"tokens_per_second": tps, "concurrency": concurrency, "mean_acceptance_length": acceptance,
+                "identical_to_vllm": identical, "identical_to_baseline": identical}
+
+    summary = {"baseline": {"tokens_per_second": 20.0}, "vllm": row(20.0, 1, None), "vllm_streams": row(25.0, 1, 2.0),
+               "vllm@8": row(80.0, 8, None), "vllm_streams@8": row(40.0, 8, 2.0, identical=False)}
+    table = result_table(summary, title="t", command="c", machine="m", threads=1, date="2026-12-04")
+    assert [(r["method"], r["concurrency"], r["x_vllm"]) for r in table["rows"]] == [
+        ("vllm", 1, 1.0), ("vllm_streams", 1, 1.25), ("vllm", 8, 1.0), ("vllm_streams", 8, 0.5)]
+    (tmp_path / "v.json").write_text(json.dumps(table))
+    text = render_table(load_result(tmp_path / "v.json"))
+    assert "| vllm_streams | 8 | 40.0 | 0.50× | 2.00 | no |" in text
+    with pytest.raises(ValueError, match="no vLLM rows"):
+        result_table({"baseline": {"tokens_per_second": 1.0}})
