@@ -1,8 +1,9 @@
 """The pass proxies a CPU measures for a GPU (docs/gpu.md, "What a CPU measures for a GPU"): for one
 token a pass and the chain, compiled, on the default model with the shipped SQL streams: the first
 compile's seconds and the kernels inductor generated for it, then on held-out Spider prompts the
-host ms a pass outside the compiled call, device→host reads, graph calls and tensors built on the
-host (through `torch.tensor`) a pass, and tokens/s. Counts do not depend on the machine's load;
+host ms a pass outside the compiled call, device→host reads and graph calls a pass, the tensors the
+host builds through `torch.tensor` per generation (a pass that builds one shows as one per pass
+more), and tokens/s. Counts do not depend on the machine's load;
 times do. A fresh inductor cache (`TORCHINDUCTOR_CACHE_DIR`) makes the compile and kernel figures
 those of a first compile.
 
@@ -63,10 +64,10 @@ def main() -> None:
             passes, tokens = passes + steps, tokens + out.tokens.shape[1]
             host += sum(out.seconds_per_pass[1:]) - sum(out.forward_seconds_per_pass[1:])
             reads, calls = reads + out.host_reads - 1, calls + out.graph_calls  # (the prefill's read apart)
-            made += built[0] - 1  # (the output's tokens, once a call)
+            made += built[0]
         figures.update(tokens_per_s=round(tokens / seconds, 2), host_ms_per_pass=round(1000 * host / passes, 3),
                        reads_per_pass=round(reads / passes, 3), graph_calls_per_pass=round(calls / passes, 3),
-                       host_tensors_per_pass=round(made / passes, 3), passes=passes)
+                       host_tensors_per_call=round(made / len(prompts), 2), passes_per_call=round(passes / len(prompts), 1))
         results[name] = figures
         print(name, json.dumps(figures), flush=True)
 
