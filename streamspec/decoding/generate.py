@@ -1,10 +1,7 @@
 """The public entry of decoding: `generate` (speculative streaming, one sequence or a batch) and
 `generate_autoregressive` (one token per pass: the reference speculative decoding reproduces).
-
-The work is done by the rest of the room, one job each: `config` (the decode options), `sampling`
-(keyed draws), `tree` / `lookup` (draft sources), `loop` (the loops: draft, one model pass,
-verify, one read, commit), `verify` (device and host verification), `compiled` (the static-shape
-compiled pass), `batch` (batches), `cache` and `output`. The carrying rule
+The rest of the room does the work (`config`, `sampling`, `tree`, `lookup`, `loop`: draft, one
+pass, verify, one read, commit; `verify`, `compiled`, `batch`, `cache`, `output`). The carrying rule
 (`streamspec.patch.layout.carrying_positions`) holds when decoding too: the last prompt position
 and every generated position carry γ streams, as in training.
 """
