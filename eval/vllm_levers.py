@@ -17,20 +17,14 @@ from pathlib import Path
 from streamspec.assets import default_model_path, load_default_tokenizer
 from streamspec.data.build import prompt_ids
 from streamspec.evaluation.benchmark import held_out_rows
+from streamspec.evaluation.vllm_peers import COLUMNS as VLLM_COLUMNS
 from streamspec.vllm.client import run_vllm
 from streamspec.vllm.export import export_for_vllm
 
 CHECKPOINT = "streamspec:smollm2-135m-sql-streams"
-COLUMNS = [
-    {"key": "method", "label": "row"},
-    {"key": "threads", "label": "threads"},
-    {"key": "concurrency", "label": "requests at once"},
-    {"key": "drafts", "label": "drafts a step"},
-    {"key": "tokens_per_second", "label": "tokens/s", "format": "{:.1f}"},
-    {"key": "x_vllm", "label": "× vLLM plain", "format": "{:.2f}×"},
-    {"key": "mean_acceptance_length", "label": "mean acceptance length", "format": "{:.2f}"},
-    {"key": "identical", "label": "identical to vLLM plain"},
-]
+# vLLM's benchmark columns, with the compute threads and the drafts a step beside the row
+COLUMNS = VLLM_COLUMNS[:1] + [{"key": "threads", "label": "threads"}] + VLLM_COLUMNS[1:2] + [
+    {"key": "drafts", "label": "drafts a step"}] + VLLM_COLUMNS[2:]
 
 
 def runs(folder: str) -> list[dict]:
