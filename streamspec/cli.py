@@ -84,8 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job: streams on the default model, a short fine-tune, the benchmark")
     demo.add_argument("--example", type=int, default=0, help="index of the Spider dev question to show")
-    demo.add_argument("--steps", type=int, default=8, help="fine-tuning steps (batch 4)")
-    demo.add_argument("--limit", type=int, default=8, help="held-out questions to benchmark the shipped streams on")
+    demo.add_argument("--steps", type=int, default=8, help="fine-tuning steps (batch 2), fewer where --minutes runs out")
+    demo.add_argument("--limit", type=int, default=None,
+                      help="held-out questions to benchmark the shipped streams on (default: as many as the time "
+                           "budget leaves at this machine's measured speed, 3 to 8)")
+    demo.add_argument("--minutes", type=float, default=9.0,
+                      help="the demo's time budget: a quarter for the fine-tune, the shipped streams' questions sized "
+                           "to the rest (0: no budget)")
     demo.add_argument("--fine-tune-limit", type=int, default=3,
                       help="held-out questions to benchmark the demo's own few-step fine-tune on")
     demo.add_argument("--out", default="runs/demo", help="folder for the checkpoint and the benchmark files")
@@ -256,7 +261,8 @@ def _run(args) -> int:
             introduce(args.example, device=args.device, dtype=args.dtype)
         else:
             run_demo(steps=args.steps, limit=args.limit, fine_tune_limit=args.fine_tune_limit, out_dir=args.out,
-                     example_index=args.example, device=args.device, dtype=args.dtype, compile=args.compile)
+                     example_index=args.example, device=args.device, dtype=args.dtype, compile=args.compile,
+                     minutes=args.minutes or None)
     elif args.command == "train":
         from .training.recipe import load_recipe
         from .training.trainer import run_training

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -103,9 +104,37 @@ def _show(summary: dict, folder: Path) -> None:
           f"{paths['histogram']}")
 
 
+#: `make demo`'s time budget on a 2-core CPU (minutes, installs aside): the fine-tune gets
+#: `TRAIN_SHARE` of it, and the shipped streams' questions are sized to what is left (below).
+DEMO_MINUTES = 9.0
+TRAIN_SHARE = 0.25
+#: The shipped streams' step: at most / at least this many questions, whatever the machine.
+MAX_QUESTIONS, MIN_QUESTIONS = 8, 3
+#: Seconds its compiled rows' first calls take on a 2-core CPU (three graphs, cold caches; untimed in
+#: the table but not in the demo's minutes), and its rows' decoding time per question in units of
+#: the baseline's (`generate` and prompt lookup at ~1, three stream rows at ~0.6 each).
+COMPILE_SECONDS, ROWS_PER_QUESTION = 150.0, 4.0
+
+
+def shipped_questions(seconds_left: float, baseline_tokens_per_second: float | None, max_new_tokens: int,
+                      compiled: bool = True) -> int:
+    """How many held-out questions the shipped streams' step can decode in `seconds_left`, read from
+    the baseline's speed that the fine-tune's benchmark measured on this machine (`generate`'s
+    tokens/s): between `MIN_QUESTIONS` and `MAX_QUESTIONS`."""
+    if not baseline_tokens_per_second:
+        return MAX_QUESTIONS
+    per_question = ROWS_PER_QUESTION * max_new_tokens / baseline_tokens_per_second
+    room = seconds_left - (COMPILE_SECONDS if compiled else 0.0)
+    return int(min(MAX_QUESTIONS, max(MIN_QUESTIONS, room // per_question)))
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
 def run_demo(
     steps: int = 8,
-    limit: int = 8,
+    limit: int | None = None,
     out_dir: str | Path = "runs/demo",
     model: str | None = None,
     max_new_tokens: int = 96,
@@ -114,18 +143,25 @@ def run_demo(
     dtype: str = "auto",
     fine_tune_limit: int = 3,
     compile: bool | str = "auto",
+    minutes: float | None = DEMO_MINUTES,
 ) -> dict:
     """The main job: introduce, fine-tune `steps` steps (validated on 8 held-out examples),
     export, benchmark the export on `fine_tune_limit` held-out questions (it shows the pipeline
     end to end; a few steps barely train the streams), then the shipped streams on `limit`
     questions. Returns both benchmark summaries (``fine_tune``, ``shipped``; files under
-    `out_dir`/benchmark and `out_dir`/shipped).
+    `out_dir`/benchmark and `out_dir`/shipped) and each part's seconds (``seconds``).
+
+    The demo sizes itself to the machine it finds, within `minutes`: the fine-tune (batch 2) stops
+    after the step that ends past `TRAIN_SHARE` of the budget (``training.max_minutes``), and
+    with `limit` None the shipped streams' questions are as many as the time left allows at the
+    speed the fine-tune's benchmark measured (`shipped_questions`). Each part prints its time.
 
     Args:
         model: another base (a local path or hub id) instead of the default SmolLM2 (the shipped
             streams are for SmolLM2: that step is then skipped).
         device / dtype: where and in what precision the introduction and the benchmark run
             (`streamspec.loading`); the fine-tune runs where the Trainer puts it.
+        minutes: the budget above; None: no budget (every step, `MAX_QUESTIONS` questions).
         compile: how the shipped streams' rows decode (`DecodeConfig.compile`: ``"auto"``, compiled
             where `streamspec.decoding.config.compile_pays` says it is faster, as every command
             decodes; True, False or a backend). Their graphs' first calls compile (announced on
@@ -139,38 +175,63 @@ def run_demo(
     from .training.trainer import run_training
 
     shipped_decode = DecodeConfig(compile=compile)  # a bad value fails here, before any work
-    if steps < 1 or limit < 1 or fine_tune_limit < 1:
+    if steps < 1 or (limit is not None and limit < 1) or fine_tune_limit < 1:
         raise ValueError(f"steps, limit and fine_tune_limit must be >= 1, got steps={steps}, limit={limit}, "
                          f"fine_tune_limit={fine_tune_limit}")
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes must be > 0 (the demo's time budget) or None (no budget), got {minutes!r}")
+    began, seconds = time.perf_counter(), {}
     if not RECIPE.is_file():
         raise FileNotFoundError(f"the demo fine-tunes with {RECIPE.name} from the repository's recipes/; not found at {RECIPE}")
     if model is None:
         introduce(example_index, device=device, dtype=dtype)
+        seconds["introduction"] = time.perf_counter() - began
     out = Path(out_dir)
     overrides = [f"training.output_dir={out / 'train'}", f"training.max_steps={steps}", "training.report_to=none",
                  f"training.save_steps={steps}", f"training.logging_steps={max(1, steps // 6)}",
-                 "data.max_validation_examples=8"]
+                 "training.batch_size=2", "data.max_validation_examples=8"]
+    if minutes is not None:
+        overrides.append(f"training.max_minutes={minutes * TRAIN_SHARE}")
     if model is not None:
         overrides.append(f"model.name_or_path={model}")
     recipe = load_recipe(RECIPE, overrides)
-    print(f"\n[1/3] fine-tuning {steps} steps on Spider (recipe {RECIPE.name}, LoRA + streams, CPU) ...")
+    budget_note = f", at most {_minutes(minutes * TRAIN_SHARE * 60)}" if minutes is not None else ""
+    print(f"\n[1/3] fine-tuning {steps} steps of 2 examples on Spider (recipe {RECIPE.name}, LoRA + streams, CPU"
+          f"{budget_note}) ...")
+    part = time.perf_counter()
     summary = run_training(recipe)
+    stopped = (f"; stopped by the time budget after {summary['steps']} of {steps} steps"
+               if summary.get("stopped_by_time") else "")
     print(f"streamed checkpoint exported to {summary['export']} ({summary['wall_seconds']} s, "
-          f"{summary['seconds_per_step']} s/step)")
+          f"{summary['seconds_per_step']} s/step{stopped})")
+    seconds["fine_tune"] = time.perf_counter() - part
+    print(f"[1/3] took {_minutes(seconds['fine_tune'])}")
     print(f"\n[2/3] benchmark on {fine_tune_limit} held-out Spider questions (batch 1, greedy; baseline: transformers "
           "generate on the base model, since the demo trains no next-token baseline) ...")
+    part = time.perf_counter()
     # Fixed settings (the tree, the lookup; no pruning or confidence rows): choosing them on
     # validation prompts would add minutes.
     result = run_benchmark(summary["export"], task="sql", limit=fine_tune_limit, tree_top_k=SHIPPED_TREE, thresholds=(),
                            lookup=SHIPPED_LOOKUP, tree_budget=None, max_new_tokens=max_new_tokens,
                            device=device, dtype=dtype, skip=FINE_TUNE_SKIPS)
     _show(result, out / "benchmark")
-    print(f"\n{steps} fine-tuning steps barely train the streams. Trained ones ship with streamspec:")
+    seconds["fine_tune_benchmark"] = time.perf_counter() - part
+    print(f"[2/3] took {_minutes(seconds['fine_tune_benchmark'])}")
+    print(f"\n{summary['steps']} fine-tuning steps barely train the streams. Trained ones ship with streamspec:")
     shipped = None
     if model is None:
         from .assets import shipped_streams_path
 
         folder = shipped_streams_path()
+        if limit is None:
+            left = minutes * 60 - (time.perf_counter() - began) if minutes is not None else float("inf")
+            speed = (result.get("baseline") or {}).get("tokens_per_second")
+            limit = shipped_questions(left, speed, max_new_tokens, compiled=bool(shipped_decode.compile))
+            if speed:
+                print(f"(generate ran at {speed:.1f} tokens/s here: {limit} questions fit the "
+                      f"{_minutes(max(left, 0))} left of the demo's {minutes:g} minutes)" if minutes is not None
+                      else f"(no time budget: {limit} questions)")
+        part = time.perf_counter()
         print(f"\n[3/3] the shipped streams ({folder.name}: self-distilled lossless streams for SmolLM2, trained by "
               "recipes/smollm2-135m/sql_streams_offline_r64.yaml, then sql_streams_offline_wide.yaml and "
               f"sql_streams_offline_wide_more.yaml) on {limit} questions; the base model's outputs, "
@@ -180,6 +241,11 @@ def run_demo(
                                 lookup=SHIPPED_LOOKUP, tree_budget=DEFAULT_BUDGET, max_new_tokens=max_new_tokens,
                                 device=device, dtype=dtype, decode=shipped_decode, skip=DEMO_SKIPS)
         _show(shipped, out / "shipped")
+        seconds["shipped"] = time.perf_counter() - part
+        print(f"[3/3] took {_minutes(seconds['shipped'])}")
+    seconds["total"] = time.perf_counter() - began
+    print(f"\nthe demo took {_minutes(seconds['total'])}: " + ", ".join(
+        f"{name.replace('_', ' ')} {_minutes(value)}" for name, value in seconds.items() if name != "total"))
     print("\ndocs/benchmarks.md has the figures of longer runs (more questions, the Medusa peer, other schema "
           "styles) and what limits speculative decoding on a CPU.")
-    return {"fine_tune": result, "shipped": shipped}
+    return {"fine_tune": result, "shipped": shipped, "seconds": seconds}

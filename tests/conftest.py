@@ -6,12 +6,16 @@ milliseconds on a CPU.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from streamspec import load_default_tokenizer
 from streamspec.patch.layout import position_ids_from_mask
+
+pytest_plugins = ["pytester"]  # tests/top/test_suite_budget.py runs small suites of its own
 
 VOCAB = 101
 HIDDEN = 32
@@ -167,10 +171,50 @@ SLOW_TESTS = {
 }
 
 
+#: Seconds one phase of one test (its set-up, with the module's shared fixtures it builds first; its
+#: call; its tear-down) may take before it fails as too slow, so that a slow test is caught the day it
+#: lands rather than the day the whole suite outgrows CI's time. `STREAMSPEC_TEST_BUDGET` sets
+#: another figure (0 turns the check off, e.g. under a debugger).
+TEST_BUDGET_SECONDS = 240.0
+
+
+def test_budget() -> float:
+    raw = os.environ.get("STREAMSPEC_TEST_BUDGET", "").strip()
+    if not raw:
+        return TEST_BUDGET_SECONDS
+    try:
+        budget = float(raw)
+    except ValueError:
+        raise pytest.UsageError(f"STREAMSPEC_TEST_BUDGET must be a number of seconds (0: no budget), got {raw!r}") from None
+    if budget < 0:
+        raise pytest.UsageError(f"STREAMSPEC_TEST_BUDGET must be >= 0 seconds (0: no budget), got {raw!r}")
+    return budget
+
+
+test_budget.__test__ = False  # a helper, not a test
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running tests (real SmolLM2 throughout, servers, DeepSpeed "
                                        "processes, torch.compile); `make test` runs them, `make test-quick` leaves "
                                        "them out (-m 'not slow')")
+    config.stash[_BUDGET] = test_budget()
+
+
+_BUDGET = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A phase that passed but ran past the budget (`TEST_BUDGET_SECONDS`) is reported failed."""
+    outcome = yield
+    report = outcome.get_result()
+    budget = item.config.stash.get(_BUDGET, TEST_BUDGET_SECONDS)
+    if budget and report.passed and call.duration > budget:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid}: its {call.when} took {call.duration:.1f} s, over the per-test budget of "
+                           f"{budget:g} s (tests/conftest.py TEST_BUDGET_SECONDS; STREAMSPEC_TEST_BUDGET overrides "
+                           "it): share what is expensive across the module, or move the measurement into eval/")
 
 
 def pytest_collection_modifyitems(config, items):

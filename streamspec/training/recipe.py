@@ -165,9 +165,14 @@ class TrainingArgs:
     # trained streams (or Medusa heads) to start from instead of fresh ones: a checkpoint folder
     # or shipped weights by name; the same base and stream config as this recipe, or refused
     init_from: str | None = None
+    # a wall-clock budget: training stops after the first step that ends past it (then saves and
+    # exports as at the end of a run); null: no budget. `--resume` goes on from the last checkpoint.
+    max_minutes: float | None = None
 
     def __post_init__(self) -> None:
         _positive("training.batch_size", self.batch_size)
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"training.max_minutes must be > 0 or null (no budget), got {self.max_minutes!r}")
         _positive("training.eval_batch_size", self.eval_batch_size)
         _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive("training.logging_steps", self.logging_steps)

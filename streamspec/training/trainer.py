@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import Trainer, TrainingArguments, set_seed
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from ..patch.checkpoint import check_trainable_checkpoint
 from ..data.build import PadCollator
@@ -269,6 +269,24 @@ def _configure_wandb(recipe: Recipe) -> None:
         logger.warning("wandb: no WANDB_API_KEY set, logging offline under %s/wandb", recipe.training.output_dir)
 
 
+class TimeBudget(TrainerCallback):
+    """Stops training after the first step that ends `minutes` after training began (the model is
+    then saved and exported as at the end of a run; the summary's ``stopped_by_time`` says so)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.seconds, self.start, self.stopped_at = minutes * 60.0, None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.start is not None and time.perf_counter() - self.start >= self.seconds and state.global_step < state.max_steps:
+            control.should_training_stop = control.should_save = True
+            self.stopped_at = state.global_step
+            logger.warning("training.max_minutes: stopping at step %d of %d (%.1f min spent)", state.global_step,
+                           state.max_steps, (time.perf_counter() - self.start) / 60)
+
+
 def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     """Train a recipe end to end; returns the training summary (also written to disk).
 
@@ -311,6 +329,8 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
         processing_class=tokenizer,
         stream_learning_rate=recipe.training.stream_learning_rate,
     )
+    if recipe.training.max_minutes is not None:
+        trainer.add_callback(TimeBudget(recipe.training.max_minutes))
     checkpoint = None
     if resume:
         # Only complete checkpoints: the Trainer writes trainer_state.json last.
@@ -326,6 +346,8 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     result = trainer.train(resume_from_checkpoint=checkpoint)
     wall = time.perf_counter() - start
     summary = _summary(trainer, result, wall)
+    budget = next((c for c in trainer.callback_handler.callbacks if isinstance(c, TimeBudget)), None)
+    summary["stopped_by_time"] = budget is not None and budget.stopped_at is not None
     final = out / "final"
     trainer.save_model(str(final))  # every rank: gathering sharded weights is collective
     summary["export"] = str(final)

@@ -7,9 +7,12 @@ tests call it through a subprocess, so the rest of streamspec never imports vLLM
 
 SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
 "prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "streams",
-"folder": drafter folder, "num_speculative_tokens": K, "concurrency": 1 | n}, ...]}``. Each run
-gets a fresh engine; OUT holds, per run, each prompt's output token ids, the wall time of the
-decode, tokens/s, and vLLM's own speculative counters.
+"folder": drafter folder, "num_speculative_tokens": K, "concurrency": 1 | n, "model": folder (default:
+the spec's)}, ...]}``. Consecutive runs of the same model and drafter share one engine (started
+with room for the largest concurrency among them; an engine's start costs more than most runs); a
+run of another model or drafter gets a fresh one. OUT holds, per run, each prompt's output token
+ids, the wall time of the decode, tokens/s, and vLLM's own speculative counters (read before and
+after the run, so runs on a shared engine count only their own).
 """
 
 from __future__ import annotations
@@ -54,17 +57,28 @@ def counters(llm) -> dict[str, float]:
     return found
 
 
-def decode(spec: dict, run: dict) -> dict:
-    """One run: a fresh engine, every prompt (one at a time, or `concurrency` at once), its figures."""
-    from vllm import LLM, SamplingParams
+def engine_key(spec: dict, run: dict) -> str:
+    """What an engine is made of for `run`: runs with the same key can share one."""
+    return json.dumps({"model": run.get("model", spec["model"]), "speculative": speculative_config(run)}, sort_keys=True)
+
+
+def start_engine(spec: dict, run: dict, max_num_seqs: int):
+    """A vLLM engine for `run`'s model and drafter, with room for `max_num_seqs` requests at once."""
+    from vllm import LLM
+
+    return LLM(model=run.get("model", spec["model"]), dtype=spec.get("dtype", "float32"),
+               enforce_eager=spec.get("enforce_eager", True), max_model_len=spec.get("max_model_len"),
+               max_num_seqs=max(max_num_seqs, 1), skip_tokenizer_init=True, speculative_config=speculative_config(run),
+               disable_log_stats=False, seed=0)
+
+
+def decode(llm, spec: dict, run: dict) -> dict:
+    """One run on `llm`: every prompt (one at a time, or `concurrency` at once), its figures."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     concurrency = int(run.get("concurrency", 1))
     speculative = speculative_config(run)
-    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=spec.get("enforce_eager", True),
-              max_model_len=spec.get("max_model_len"), max_num_seqs=max(concurrency, 1),
-              skip_tokenizer_init=True, speculative_config=speculative, disable_log_stats=False,
-              seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 96),
                             ignore_eos=spec.get("ignore_eos", False), detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
@@ -86,13 +100,21 @@ def decode(spec: dict, run: dict) -> dict:
     drafts = spec_counters.get("vllm:spec_decode_num_drafts", 0)
     accepted = spec_counters.get("vllm:spec_decode_num_accepted_tokens", 0)
     tokens = sum(len(o) for o in outputs)
-    del llm
-    gc.collect()
     return {"name": run.get("name", run.get("drafter", "none")), "drafter": run.get("drafter", "none"),
             "num_speculative_tokens": (speculative or {}).get("num_speculative_tokens"),
             "concurrency": concurrency, "outputs": outputs, "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0, "counters": spec_counters,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "alignment_lines": log_lines}
+
+
+def _same_engine(spec: dict, runs: list[dict], key: str) -> list[dict]:
+    """The runs at the head of `runs` that share the engine `key`."""
+    out = []
+    for run in runs:
+        if engine_key(spec, run) != key:
+            break
+        out.append(run)
+    return out
 
 
 def _lines(path: str) -> int:
@@ -109,9 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
-    results = []
-    for run in spec["runs"]:
-        results.append(decode(spec, run))
+    runs, results = spec["runs"], []
+    llm, key = None, None
+    for i, run in enumerate(runs):
+        if engine_key(spec, run) != key:
+            llm = None  # the last engine goes before the next one starts
+            gc.collect()
+            key = engine_key(spec, run)
+            sharing = _same_engine(spec, runs[i:], key)
+            llm = start_engine(spec, run, max(int(r.get("concurrency", 1)) for r in sharing))
+        results.append(decode(llm, spec, run))
         with open(argv[1], "w", encoding="utf-8") as f:  # after every run: a later failure keeps the earlier
             json.dump({"runs": results}, f)
     return 0

@@ -199,6 +199,42 @@ def test_demo_trains_exports_and_benchmarks(tiny_dir, tmp_path, capsys):
         run_demo(fine_tune_limit=0)
 
 
+def test_the_demo_sizes_the_shipped_streams_step_to_the_time_left_at_the_measured_speed(monkeypatch, tmp_path, capsys):
+    import streamspec.demo as demo
+    import streamspec.evaluation.benchmark as benchmark
+    import streamspec.training.trainer as trainer
+
+    # more time or a faster machine: never fewer questions; always within the bounds
+    counts = [demo.shipped_questions(left, speed, 96) for speed in (2.0, 5.0, 20.0, 80.0) for left in (0, 200, 400, 2000)]
+    assert all(demo.MIN_QUESTIONS <= n <= demo.MAX_QUESTIONS for n in counts)
+    for speed in (2.0, 5.0, 20.0, 80.0):
+        row = [demo.shipped_questions(left, speed, 96) for left in (0, 200, 400, 2000)]
+        assert row == sorted(row)
+    assert demo.shipped_questions(2000, 5.0, 96) >= demo.shipped_questions(2000, 2.0, 96)
+    assert demo.shipped_questions(100, None, 96) == demo.MAX_QUESTIONS  # no measurement: the full step
+
+    monkeypatch.setattr(demo, "introduce", lambda *a, **k: None)
+    monkeypatch.setattr(trainer, "run_training", lambda recipe: {"export": str(tmp_path), "wall_seconds": 0,
+                                                                 "seconds_per_step": 0, "steps": 3, "stopped_by_time": True})
+    limits = []
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda checkpoint, **k: limits.append(k["limit"]) or
+                        {"baseline": {"tokens_per_second": 4.0}})
+    monkeypatch.setattr(demo, "_show", lambda summary, folder: None)
+    result = demo.run_demo(steps=8, fine_tune_limit=1, out_dir=tmp_path, minutes=11.0)
+    # (the stand-ins take no time: the whole budget is left, (660 - 150) s at 96 s a question)
+    assert limits[1] == demo.shipped_questions(11.0 * 60, 4.0, 96) == 5
+    shown = capsys.readouterr().out
+    assert "stopped by the time budget after 3 of 8 steps" in shown and "generate ran at 4.0 tokens/s here" in shown
+    for part in ("[1/3] took", "[2/3] took", "[3/3] took", "the demo took"):
+        assert part in shown
+    assert set(result["seconds"]) == {"introduction", "fine_tune", "fine_tune_benchmark", "shipped", "total"}
+    limits.clear()
+    demo.run_demo(steps=1, limit=5, fine_tune_limit=1, out_dir=tmp_path)  # a limit given is kept
+    assert limits[1] == 5
+    with pytest.raises(ValueError, match="minutes must be > 0"):
+        demo.run_demo(minutes=0)
+
+
 def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
     """`streamspec demo --compile` reaches the shipped streams' benchmark (default ``auto``, as
     every decoding command), the few-step fine-tune's rows stay eager, and a bad value is refused
@@ -211,8 +247,9 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(demo, "introduce", lambda *a, **k: None)
-    monkeypatch.setattr(trainer, "run_training", lambda recipe: {"export": str(tmp_path), "wall_seconds": 0,
-                                                                 "seconds_per_step": 0})
+    recipes = []
+    monkeypatch.setattr(trainer, "run_training", lambda recipe: recipes.append(recipe) or {
+        "export": str(tmp_path), "wall_seconds": 0, "seconds_per_step": 0, "steps": 1})
     lookups, skips = [], []
     monkeypatch.setattr(benchmark, "run_benchmark",
                         lambda checkpoint, **k: calls.append(k.get("decode")) or lookups.append(k["lookup"])
@@ -224,6 +261,9 @@ def test_demo_compiles_the_shipped_streams_rows_only(monkeypatch, tmp_path):
     # neither runs the fixed tree alone (the confidence tree of its size is the step's tree row)
     assert skips == [("baseline_default_kernels", "tree"), ("baseline_default_kernels", "streamed_ar", "tree")]
     assert build_parser().parse_args(["demo"]).steps == 8
+    # the fine-tune is held to its share of the demo's minutes, two examples a step
+    assert recipes[0].training.max_minutes == pytest.approx(demo.DEMO_MINUTES * demo.TRAIN_SHARE)
+    assert recipes[0].training.batch_size == 2
     # the shipped streams' lookup: one branch a pass, two padded sizes to compile (7 and 15 nodes)
     assert lookups[1].matches == 1 and lookups[1].tokens == 8
     calls.clear()

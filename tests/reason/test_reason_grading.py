@@ -222,7 +222,7 @@ def test_grading_never_hangs_or_raises(predicted):
     start = time.perf_counter()
     assert answers_match(predicted, "1", "math") is False
     assert answers_match(predicted, "1", "numeric") is False
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 15  # the grader gives up after its own timeout; a hang never returns
 
 
 def test_symbolic_check_keeps_a_callers_timer():

@@ -32,7 +32,12 @@ def _free_port() -> int:
 
 
 def _start(command: list[str], port: int, timeout: float = 120.0) -> subprocess.Popen:
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return _wait_up(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), port,
+                    timeout)
+
+
+def _wait_up(process: subprocess.Popen, port: int, timeout: float = 120.0) -> subprocess.Popen:
+    """`process` once its server answers on `port` (killed, with what it printed, if it never does)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -128,10 +133,11 @@ def test_a_server_that_goes_away_is_recorded_and_the_run_goes_on(tiny_dir, local
     assert "failed" in first.error and first.tokens["total"] <= CFG["token_budget"]
 
 
-def _vllm_serve(folder: str, name: str, speculative: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """vLLM's OpenAI server (its CPU build, `make vllm`'s environment) on a free loopback port: the
-    server `vllm serve` starts (the CPU build's `vllm` command looks its version up under the
-    distribution name "vllm" and fails, so the module is run directly; the arguments are the same)."""
+def _vllm_serve(folder: str, name: str, speculative: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """vLLM's OpenAI server (its CPU build, `make vllm`'s environment) starting on a free loopback
+    port (`_wait_up` waits for it): the server `vllm serve` starts (the CPU build's `vllm` command
+    looks its version up under the distribution name "vllm" and fails, so the module is run
+    directly; the arguments are the same)."""
     from streamspec.vllm.client import vllm_python
 
     port = _free_port()
@@ -140,8 +146,8 @@ def _vllm_serve(folder: str, name: str, speculative: dict | None = None) -> tupl
                "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager"]
     if speculative:
         command += ["--speculative-config", json.dumps(speculative)]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return _start(command, port, timeout=600), f"http://127.0.0.1:{port}/v1"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env), port
 
 
 def test_specreason_against_vllm_servers(tmp_path):
@@ -158,11 +164,14 @@ def test_specreason_against_vllm_servers(tmp_path):
         pytest.skip(str(err))
     folder = str(default_model_path())
     drafter = export_for_vllm("streamspec:smollm2-135m-reason-streams", tmp_path / "drafter")
-    base, base_url = _vllm_serve(folder, "smol")
-    streams = None
+    # both servers start side by side (their start-up is most of the test's time)
+    base, base_port = _vllm_serve(folder, "smol")
+    streams, streams_port = _vllm_serve(folder, "smol-streams", {
+        "method": "eagle3", "model": str(drafter), "num_speculative_tokens": 4, "parallel_drafting": True})
+    base_url, streams_url = f"http://127.0.0.1:{base_port}/v1", f"http://127.0.0.1:{streams_port}/v1"
     try:
-        streams, streams_url = _vllm_serve(folder, "smol-streams", {
-            "method": "eagle3", "model": str(drafter), "num_speculative_tokens": 4, "parallel_drafting": True})
+        _wait_up(base, base_port, timeout=600)
+        _wait_up(streams, streams_port, timeout=600)
         cfg = ReasonConfig(token_budget=120, step_max_tokens=40, answer_max_tokens=6, temperature=0.0,
                            judge_request="score_0_9", score="expected")
         problem = "Tom has 3 apples and buys 5 more. How many apples does he have?"
@@ -180,6 +189,6 @@ def test_specreason_against_vllm_servers(tmp_path):
         assert accepted and sum(accepted) > 0
     finally:
         for process in (base, streams):
-            if process is not None:
+            if process.poll() is None:
                 process.terminate()
                 process.wait(timeout=60)

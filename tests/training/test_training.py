@@ -216,6 +216,26 @@ def test_deepspeed_two_processes_train_and_resume_smollm2(stage, tmp_path):
             check_trainable_checkpoint(other, checkpoint)
 
 
+def test_a_time_budget_stops_after_the_step_that_crosses_it_and_still_exports(tiny_dir, tmp_path):
+    """training.max_minutes: a budget spent by the first step stops the run there, saved and
+    exported as at the end of a run; the summary says the time stopped it."""
+    from streamspec.training.trainer import load_training_checkpoint, build_model
+
+    recipe = load_recipe(RECIPE, _overrides(tiny_dir, tmp_path / "run", **{"training.max_minutes": 1e-6,
+                                                                             "training.save_steps": 100}))
+    summary = run_training(recipe)
+    assert summary["steps"] == 1 and summary["stopped_by_time"]
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    assert (checkpoint / "trainer_state.json").is_file()  # saved where it stopped: --resume goes on from here
+    exported = load_streamed(summary["export"]).state_dict()
+    fresh, _ = build_model(recipe)
+    load_training_checkpoint(fresh, checkpoint)
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, exported[name]), name
+    with pytest.raises(ValueError, match="training.max_minutes must be > 0 or null"):
+        load_recipe(RECIPE, ["training.max_minutes=0"])
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     from peft import LoraConfig
 

@@ -6,6 +6,7 @@ drafter for another base refused."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,13 +55,24 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def passes_by_prompt(log: list[dict], lines: list[int]) -> list[list]:
-    """The drafter's logged passes ([p, drafts]) of each prompt (decoded one at a time)."""
-    out, start = [], 0
+def passes_by_prompt(log: list[dict], lines: list[int], start: int = 0) -> list[list]:
+    """The drafter's logged passes ([p, drafts]) of each prompt (decoded one at a time): `lines`
+    are the log's lengths after each prompt, from line `start` (where the run began)."""
+    out = []
     for end in lines:
         out.append([entry for record in log[start:end] for entry in record["passes"]])
         start = end
     return out
+
+
+def run_records(log: list[dict], runs: list[dict], index: int) -> tuple[list[dict], int]:
+    """The log records of the streams run `runs[index]` (runs share one log, appended in order) and
+    the line it starts at."""
+    start = 0
+    for run in runs[:index]:
+        if run["alignment_lines"]:
+            start = run["alignment_lines"][-1]
+    return log[start:runs[index]["alignment_lines"][-1]], start
 
 
 def drafts_agreement(model, prompts: list[list[int]], outputs: list[list[int]], passes: list[list]) -> tuple[int, int]:
@@ -86,24 +98,44 @@ def check_alignment(log: list[dict]) -> None:
     assert all(r["positions_ok"] for r in log)
 
 
+ARCHS = ("llama", "qwen2", "mistral")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """Per architecture: plain and streams runs of the same prompts, with the drafter's log."""
+    """Per architecture: plain and streams runs of the same prompts, with the drafter's log; and the
+    llama drafter fed the wrong layer (``wrong_layer``). One vLLM process for all of them: its
+    start-up is most of a run's time."""
     root = tmp_path_factory.mktemp("vllm-tiny")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (17, 30, 9)]
+    folders = {arch: tiny_streams(root, arch) for arch in ARCHS}
+    # a copy of the llama drafter told to read the layer below the right one (as a mapping drift would)
+    wrong = root / "llama-0-drafter-wrong-layer"
+    shutil.copytree(folders["llama"][1], wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [config["eagle_aux_hidden_state_layer_ids"][0] - 1]
+    (wrong / "config.json").write_text(json.dumps(config))
+    runs = []
+    for arch, (base, drafter) in folders.items():
+        runs += [{"model": str(base), "drafter": "none", "name": f"{arch}-plain"},
+                 {"model": str(base), "drafter": "streams", "folder": str(drafter), "name": f"{arch}-streams"}]
+    runs.append({"model": str(folders["llama"][0]), "drafter": "streams", "folder": str(wrong), "name": "wrong-layer"})
+    log = root / "alignment.jsonl"
+    spec = {"model": str(folders["llama"][0]), "prompts": prompts, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+            "warmup": False, "max_model_len": 256, "runs": runs}
+    done = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
+    records = read_log(log)
     results = {}
-    for arch in ("llama", "qwen2", "mistral"):
-        base, drafter = tiny_streams(root, arch)
-        log = root / f"{arch}.jsonl"
-        spec = {"model": str(base), "prompts": prompts, "max_tokens": NEW_TOKENS, "ignore_eos": True, "warmup": False,
-                "max_model_len": 256, "runs": [{"drafter": "none"}, {"drafter": "streams", "folder": str(drafter)}]}
-        runs = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
-        results[arch] = dict(base=base, drafter=drafter, runs=runs, log=read_log(log), prompts=prompts, root=root)
+    for i, arch in enumerate(ARCHS):
+        arch_log, start = run_records(records, done, 2 * i + 1)
+        results[arch] = dict(base=folders[arch][0], drafter=folders[arch][1], runs=done[2 * i:2 * i + 2], log=arch_log,
+                             log_start=start, full_log=records, prompts=prompts, root=root)
+    results["wrong_layer"] = dict(run=done[-1], log=run_records(records, done, len(done) - 1)[0])
     return results
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_bases_decode_identically_with_the_streams_drafting(tiny, arch):
     plain, streams = tiny[arch]["runs"]
     assert [len(o) for o in plain["outputs"]] == [NEW_TOKENS] * 3
@@ -112,7 +144,8 @@ def test_tiny_bases_decode_identically_with_the_streams_drafting(tiny, arch):
     check_alignment(tiny[arch]["log"])
     model = load_streamed(tiny[arch]["root"] / f"{arch}-0-streams")
     same, total = drafts_agreement(model, tiny[arch]["prompts"], streams["outputs"],
-                                   passes_by_prompt(tiny[arch]["log"], streams["alignment_lines"]))
+                                   passes_by_prompt(tiny[arch]["full_log"], streams["alignment_lines"],
+                                                    tiny[arch]["log_start"]))
     assert total >= 3 * NEW_TOKENS // 2  # (γ drafts a pass)
     assert same == total
 
@@ -120,19 +153,10 @@ def test_tiny_bases_decode_identically_with_the_streams_drafting(tiny, arch):
 def test_a_drafter_fed_the_wrong_layer_is_caught(tiny):
     """The alignment check fails loudly when the drafter is fed another layer's hidden state (as a
     mapping drift would), while the target's verification still keeps the outputs exact."""
-    drafter = tiny["llama"]["drafter"]
-    config = json.loads((drafter / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = [config["eagle_aux_hidden_state_layer_ids"][0] - 1]
-    (drafter / "config.json").write_text(json.dumps(config))
-    log = tiny["llama"]["root"] / "wrong-layer.jsonl"
-    spec = {"model": str(tiny["llama"]["base"]), "prompts": tiny["llama"]["prompts"], "max_tokens": NEW_TOKENS,
-            "ignore_eos": True, "warmup": False, "max_model_len": 256,
-            "runs": [{"drafter": "streams", "folder": str(drafter)}]}
-    (run,) = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
-    records = read_log(log)
+    records = tiny["wrong_layer"]["log"]
     checked, agreed = sum(r["checked"] for r in records), sum(r["agreed"] for r in records)
     assert checked > 0 and agreed <= checked // 2
-    assert run["outputs"] == tiny["llama"]["runs"][0]["outputs"]
+    assert tiny["wrong_layer"]["run"]["outputs"] == tiny["llama"]["runs"][0]["outputs"]
 
 
 def test_a_drafter_for_another_base_is_refused(tiny):
@@ -182,6 +206,9 @@ def test_the_benchmark_rows(tiny):
                      [o[:NEW_TOKENS] for o in baseline], baseline_tps=100.0, concurrency=(1, 2))
     assert sorted(rows) == ["vllm", "vllm@2", "vllm_streams", "vllm_streams@2"]
     for name, row in rows.items():
-        assert row["identical_to_vllm"] and row["tokens"] > 0 and row["speedup"] == round(row["tokens_per_second"] / 100, 3)
+        assert row["identical_to_vllm"] and row["tokens"] > 0
+        # speedup and tokens/s are each rounded from the same unrounded figure: related within their roundings
+        assert row["speedup"] == pytest.approx(row["tokens_per_second"] / 100, abs=1e-3)
+        assert row["tokens_per_second"] == pytest.approx(row["tokens"] / row["seconds"], rel=1e-2, abs=0.02)
         assert (row["mean_acceptance_length"] is None) == (name in ("vllm", "vllm@2"))  # only drafters accept
     assert rows["vllm_streams@2"]["concurrency"] == 2
