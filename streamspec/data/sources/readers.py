@@ -61,8 +61,9 @@ def iter_json_array(handle: IO[str], chunk_size: int = 1 << 20, max_item_chars: 
             item, end = decoder.raw_decode(buffer, pos)
         except json.JSONDecodeError:
             item, end = None, -1
-        # a value that ends exactly at the buffer's end may go on (a number cut in two): read on
-        if end < 0 or (end == len(buffer) and not ended):
+        # a value that ends exactly at the buffer's end may go on (a number cut in two): read on,
+        # and at the end of the stream take it only if it is closed (an object, array or string)
+        if end < 0 or (end == len(buffer) and (not ended or buffer[end - 1].isdigit())):
             if ended:
                 logger.info("JSON array cut short: stopped before its last, incomplete item")
                 return
