@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     card = data_sub.add_parser("card", help="load sources as load_prompts does and write a data card (Markdown + JSON)")
     card.add_argument("--out", required=True, help="the Markdown file; the JSON goes beside it (same name, .json)")
     card.add_argument("--sources", nargs="+", default=None,
-                      help="sources in order of preference (default: the installed ones that are neither opt-in nor test-only)")
+                      help="sources in order of preference (default: the installed ones that are neither opt-in "
+                           "nor test-only)")
     card.add_argument("--validation-fraction", type=float, default=0.02)
     card.add_argument("--seed", type=int, default=0)
     from .reason.cli import add_reason_commands

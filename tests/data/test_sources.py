@@ -34,9 +34,11 @@ def _array(items: list[dict]) -> tuple[bytes, list[int]]:
 
 def _conversations(count: int, rng: random.Random) -> list[dict]:
     words = ["naïve", "café", "数据", "tree", "stream", '"quoted"', "back\\slash", "emoji 🙂", "1e5", "[x]"]
-    return [{"id": f"c{i}", "conversations": [
-        {"from": rng.choice(["human", "gpt", "user", "system"]), "value": " ".join(rng.choices(words, k=rng.randint(1, 30)))}
-        for _ in range(rng.randint(0, 6))]} for i in range(count)]
+    def message() -> dict:
+        return {"from": rng.choice(["human", "gpt", "user", "system"]),
+                "value": " ".join(rng.choices(words, k=rng.randint(1, 30)))}
+
+    return [{"id": f"c{i}", "conversations": [message() for _ in range(rng.randint(0, 6))]} for i in range(count)]
 
 
 @pytest.mark.parametrize("chunk_size", [7, 64, 1 << 20])

@@ -7,14 +7,14 @@ with their package, path and licence; `iter_prompts` reads one, `load_prompts` s
 what a set holds. docs/data.md describes the sources and their licences.
 """
 
-from .prompts import (PromptSet, SourceCount, format_source_table, iter_prompts, load_prompts, mtbench_first_turns, prompt_key,
-                      source_table, write_data_card)
-from .readers import iter_json_array
-from .registry import (SOURCES, PromptSource, SourceUnavailable, available_sources, default_sources,
-                       download_sqlglot_sdist, sqlglot_sdist)
+from .prompts import (PromptSet, SourceCount, format_source_table, iter_prompts, load_prompts,
+                      mtbench_first_turns, prompt_key, source_table, write_data_card)
+from .readers import SourceUnavailable, iter_json_array
+from .registry import (SOURCES, PromptSource, available_sources, default_sources, download_sqlglot_sdist,
+                       sqlglot_sdist)
 
 __all__ = [
     "SOURCES", "PromptSet", "PromptSource", "SourceCount", "SourceUnavailable", "available_sources",
-    "default_sources", "download_sqlglot_sdist", "format_source_table", "iter_json_array", "iter_prompts", "load_prompts",
-    "mtbench_first_turns", "prompt_key", "source_table", "sqlglot_sdist", "write_data_card",
+    "default_sources", "download_sqlglot_sdist", "format_source_table", "iter_json_array", "iter_prompts",
+    "load_prompts", "mtbench_first_turns", "prompt_key", "source_table", "sqlglot_sdist", "write_data_card",
 ]

@@ -14,6 +14,8 @@ import tarfile
 from pathlib import Path
 from typing import Iterator
 
+from .readers import SourceUnavailable
+
 Turns = tuple[str, list[str]]
 
 
@@ -35,8 +37,12 @@ def cosql(root: Path, path: str) -> Iterator[Turns]:
     """CoSQL dialogues: the task and schema, then each question a user turn (the gold answers
     between them are dropped). Dialogues over the databases `streamspec.data.spider` holds out
     (its test and validation databases) are skipped: training must never see them."""
-    from ..spider import split_of
+    from ..spider import spider_dir, split_of
 
+    try:
+        spider_dir()
+    except RuntimeError as err:
+        raise SourceUnavailable(f"the cosql source leaves out Spider's held-out databases by their schemas: {err}")
     with open(root / path, encoding="utf-8") as handle:
         for number, line in enumerate(handle):
             if not line.strip():

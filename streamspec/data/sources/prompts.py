@@ -162,8 +162,9 @@ def card_data(prompts: PromptSet) -> dict:
         source = SOURCES[name]
         sources.append({"name": name, "kind": source.kind, "requirement": source.requirement, "path": source.path,
                         "licence": source.licence, "opt_in": source.opt_in, "note": source.note, **asdict(count)})
-    return {"split_rule": "sha256 of the normalised first user turn", "validation_fraction": prompts.validation_fraction,
-            "seed": prompts.seed, "test_sources_checked": prompts.test_sources_checked,
+    return {"split_rule": "sha256 of the normalised first user turn",
+            "validation_fraction": prompts.validation_fraction, "seed": prompts.seed,
+            "test_sources_checked": prompts.test_sources_checked,
             "train": sum(c.train for c in prompts.counts.values()),
             "validation": sum(c.validation for c in prompts.counts.values()), "sources": sources}
 

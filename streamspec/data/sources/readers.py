@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 Turns = tuple[str, list[str]]
 
 
+class SourceUnavailable(RuntimeError):
+    """A source whose package (or file) is not installed here, or which cannot be used at all."""
+
+
 def iter_json_array(handle: IO[str], chunk_size: int = 1 << 20, max_item_chars: int = 1 << 26) -> Iterator:
     """The items of a JSON array read from a text stream one at a time, without holding the
     whole file. A file cut short (as ShareGPT's is, at 125 MB) ends cleanly: every complete

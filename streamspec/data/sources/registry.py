@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import documents, readers
+from .readers import SourceUnavailable
 
 KINDS = ("chat", "sql", "long_document")
 SQLGLOT_REQUIREMENT = "sqlglot==30.31.0"
@@ -26,10 +27,6 @@ _SQLGLOT_ARCHIVE = "sqlglot-30.31.0.tar.gz"
 # A reader gets the folder (or archive) that holds the source's files and yields
 # (id, user turns) pairs; `iter_prompts` turns them into prompt records.
 Reader = Callable[[Path, str], Iterable[tuple[str, list[str]]]]
-
-
-class SourceUnavailable(RuntimeError):
-    """A source whose package (or file) is not installed here, or which cannot be used at all."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +67,11 @@ class PromptSource:
         if self.kind not in KINDS:
             raise ValueError(f"PromptSource.kind must be one of {list(KINDS)}, got {self.kind!r} ({self.name})")
         if "==" not in self.requirement:
-            raise ValueError(f"PromptSource.requirement must pin a version (package==version), got {self.requirement!r}")
+            raise ValueError(f"PromptSource.requirement must pin a version (package==version), "
+                             f"got {self.requirement!r}")
         if not self.licence.strip():
-            raise ValueError(f"PromptSource.licence of {self.name!r} is empty: write what upstream states, or 'unstated'")
+            raise ValueError(f"PromptSource.licence of {self.name!r} is empty: write what upstream states, "
+                             "or 'unstated'")
 
     @property
     def install_hint(self) -> str:
