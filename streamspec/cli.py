@@ -230,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--default-kernels", action="store_true", help="torch's default CPU linear kernels")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_device_args(srv)
+    data = sub.add_parser("data", help="offline prompt sources for self-distillation at scale (docs/data.md)")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    data_sub.add_parser("list", help="every registered source: installed or not, rows, licence, opt-in / test-only")
+    card = data_sub.add_parser("card", help="load sources as load_prompts does and write a data card (Markdown + JSON)")
+    card.add_argument("--out", required=True, help="the Markdown file; the JSON goes beside it (same name, .json)")
+    card.add_argument("--sources", nargs="+", default=None,
+                      help="sources in order of preference (default: the installed ones that are neither opt-in "
+                           "nor test-only)")
+    card.add_argument("--validation-fraction", type=float, default=0.02)
+    card.add_argument("--seed", type=int, default=0)
     from .reason.cli import add_reason_commands
 
     add_reason_commands(sub)
@@ -330,6 +340,15 @@ def _run(args) -> int:
               max_model_len=args.max_model_len, served_model_name=args.served_model_name, gguf_file=args.gguf_file,
               cpu_kernels=not args.default_kernels, log_level=args.log_level, config=decode_config_from_args(args),
               api_key=args.api_key)
+    elif args.command == "data":
+        from .data.sources import format_source_table, write_data_card
+
+        if args.data_command == "list":
+            print(format_source_table())
+        else:
+            for path in write_data_card(args.out, names=args.sources, validation_fraction=args.validation_fraction,
+                                        seed=args.seed):
+                print(path)
     elif args.command in ("reason", "reason-eval"):
         from .reason.cli import dispatch
 
