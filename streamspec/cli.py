@@ -76,6 +76,28 @@ def check_device_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(str(err))
 
 
+ENGINES = ("streamspec", "vllm")
+# `streamspec distill` flags of one engine only, with their defaults: another value with the other engine is refused
+_STREAMSPEC_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "with_greedy": False, "decoder": None,
+                    "server": None, "check_agreement": 0, "batch_size": 8}
+_VLLM_ONLY = {"split": "train", "validation_fraction": 0.02, "max_turns": None, "shard_size": 100,
+              "max_tokens_total": None, "threads": 1, "max_num_seqs": 32}
+
+
+def check_distill_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse `streamspec distill` flags the chosen engine does not use (a flag silently ignored
+    would make another set than the one asked for)."""
+    other = _STREAMSPEC_ONLY if args.engine == "vllm" else _VLLM_ONLY
+    given = [name for name, default in other.items() if getattr(args, name) != default]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        why = ("--engine vllm decodes greedily with vLLM" if args.engine == "vllm"
+               else "they are for --engine vllm's shard folders")
+        parser.error(f"{flags}: not with --engine {args.engine} ({why})")
+    if args.engine == "vllm" and not args.out:
+        parser.error("--engine vllm writes a folder of shards: give it with --out")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `streamspec` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="streamspec", description="Speculative Streaming for HF causal LMs")
@@ -120,12 +142,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the base the adapter was trained on (default: the adapter's base_model_name_or_path, "
                             "else the default model)")
     add_device_args(merge, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
-    dist = sub.add_parser("distill", help="build a self-distilled set: the model's own completions of a task's prompts")
+    dist = sub.add_parser(
+        "distill", help="build a self-distilled set: the model's own completions of a task's prompts or of chats",
+        description="The model's own greedy (or sampled) completions of prompts, for training lossless streams. "
+                    "--engine streamspec (default) decodes a task's prompts with streamspec's batch decoder into one "
+                    "JSONL; --engine vllm decodes with vLLM's offline engine (in `make vllm`'s environment) into a "
+                    "folder of resumable shards, task prompts or multi-turn chats from the prompt registry "
+                    "(--sources chitchat evals ...), each turn continued with the model's own earlier replies. "
+                    "docs/training.md, 'Distillation at scale'.")
     dist.add_argument("--model", default="streamspec:SmolLM2-135M-Instruct",
                       help="the model whose outputs the set holds (a folder, hub id or the default model)")
-    dist.add_argument("--task", default="sql", choices=["sql", "summarize", "gsm8k_solutions"])
-    dist.add_argument("--sources", nargs="+", default=["train"],
-                      help="train, validation, unused_databases (SQL: Spider schemas no split uses)")
+    dist.add_argument("--engine", default="streamspec", choices=ENGINES,
+                      help="streamspec: streamspec's batch decoder (or --server) into one JSONL; vllm: vLLM's offline "
+                           "engine, greedy, many prompts in flight, into resumable shards in the --out folder")
+    dist.add_argument("--task", default=None, choices=["sql", "summarize", "gsm8k_solutions"],
+                      help="the built-in task whose prompts are distilled (default: sql, unless --sources names "
+                           "prompt sources of the registry)")
+    dist.add_argument("--sources", nargs="+", default=None,
+                      help="the task's: train (default), validation, unused_databases (SQL: Spider schemas no split "
+                           "uses); or prompt sources of the registry (`streamspec data list`; with --engine vllm), "
+                           "e.g. chitchat evals: multi-turn chats")
+    dist.add_argument("--split", default="train", choices=["train", "validation"],
+                      help="--engine vllm with registry sources: which side of their train/validation split")
+    dist.add_argument("--validation-fraction", type=float, default=0.02,
+                      help="--engine vllm with registry sources: the share held out as validation")
     dist.add_argument("--questions-per-database", type=int, default=4, help="template questions per unused schema")
     dist.add_argument("--samples", type=int, default=1, help="completions per prompt (>1 needs --temperature)")
     dist.add_argument("--temperature", type=float, default=0.0)
@@ -137,7 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip longer prompts (keep within the recipe's data.max_length)")
     dist.add_argument("--batch-size", type=int, default=8)
     dist.add_argument("--seed", type=int, default=0)
-    dist.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    dist.add_argument("--limit", type=int, default=None,
+                      help="only the first N prompts (--engine vllm: conversations, in the set's seeded order)")
+    dist.add_argument("--max-turns", type=int, default=None, help="--engine vllm: at most N turns of each conversation")
+    dist.add_argument("--shard-size", type=int, default=100, help="--engine vllm: conversations per shard file")
+    dist.add_argument("--max-tokens-total", type=int, default=None, metavar="N",
+                      help="--engine vllm: stop once the set holds N generated tokens (at a shard boundary; the same "
+                           "command again resumes up to the same total, a larger N goes on)")
+    dist.add_argument("--threads", type=int, default=1, help="--engine vllm: vLLM's CPU threads")
+    dist.add_argument("--max-num-seqs", type=int, default=32, help="--engine vllm: requests vLLM decodes at once")
     dist.add_argument("--decoder", default=None,
                       help="a streamed checkpoint (lossless streams on --model) to decode faster with")
     dist.add_argument("--server", default=None,
@@ -148,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--server-parallel", type=int, default=4, help="requests in flight on the server")
     dist.add_argument("--check-agreement", type=int, default=0, metavar="N",
                       help="with --server: first report how often its greedy completions of N prompts equal the model's own")
-    dist.add_argument("--out", default=None, help="the JSONL to write (default: the cache, as a recipe's data.distill finds it)")
+    dist.add_argument("--out", default=None,
+                      help="the JSONL to write (default: the cache, as a recipe's data.distill finds it); --engine "
+                           "vllm: the shard folder (required; a folder of other settings is refused, one of the same "
+                           "settings resumed at its first missing shard)")
     add_device_args(dist)
     gen = sub.add_parser("generate", help="decode a prompt with speculative streaming")
     gen.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
@@ -250,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_device_args(parser, args)
+    if args.command == "distill":
+        check_distill_args(parser, args)
     if args.command == "export" and args.format == "vllm" and args.merge:
         parser.error("--merge writes a self-contained streamed checkpoint; a vLLM drafter never holds the base")
     try:
@@ -295,10 +348,18 @@ def _run(args) -> int:
         from .patch.checkpoint import merge_adapter
 
         print(merge_adapter(args.adapter, args.out, base=args.base, dtype=args.dtype))
+    elif args.command == "distill" and args.engine == "vllm":
+        from .training.distill_engine import distill_with_vllm, sharded_args, summary_line
+
+        summary = distill_with_vllm(args.model, sharded_args(args), args.out)
+        print(summary_line(summary), file=sys.stderr)
+        print(args.out)
     elif args.command == "distill":
         from .data.distill import DistillArgs
         from .training.distill import build_distilled_set
+        from .training.distill_engine import resolve_sources
 
+        args.task, args.sources = resolve_sources(args.task, args.sources, args.engine)
         settings = DistillArgs(enabled=True, sources=args.sources, questions_per_database=args.questions_per_database,
                                samples=args.samples, temperature=args.temperature, top_p=args.top_p,
                                with_greedy=args.with_greedy, max_new_tokens=args.max_new_tokens,

@@ -3,6 +3,8 @@
 - Prompts go through the tokenizer's chat template when it has one (the completion is the
   assistant's turn, closed by the template's end-of-turn token); otherwise prompt, a newline,
   completion and the EOS token.
+- A distilled row's ``completion_ids`` (the tokens the model generated, its end-of-turn token
+  included when it stopped) are taken as they are, not re-tokenised from the text.
 - Labels are -100 on every prompt token: only the completion is trained, and so only completion
   positions (and the last prompt position) carry streams.
 - Rows longer than `max_length` are dropped or truncated by an explicit setting, and the count is
@@ -36,7 +38,9 @@ def load_rows(
     """Your own data as rows with ``prompt`` and ``completion``.
 
     Args:
-        path: a .jsonl, .json (a list of objects) or .csv file.
+        path: a .jsonl, .json (a list of objects) or .csv file, or a distilled set's shard folder
+            (`streamspec distill --engine vllm --out FOLDER`: its rows keep their prompt, or chat
+            messages, and the generated ids).
         dataset: a `datasets` name or local folder (with `split`), instead of a path.
         prompt_field, completion_field: the columns holding prompt and completion.
         messages_field: a column of chat messages ({"role", "content"}) instead: the last
@@ -44,6 +48,11 @@ def load_rows(
     """
     if (path is None) == (dataset is None):
         raise ValueError("give exactly one of data.path (a .jsonl/.json/.csv file) or data.dataset (a datasets name)")
+    if path is not None and Path(path).is_dir():
+        from .distill import read_distilled
+        from .distill_shards import training_row
+
+        return [training_row(r) for r in read_distilled(path)]
     if path is not None:
         records = _read_file(Path(path))
     else:
@@ -132,7 +141,10 @@ def tokenize_rows(
     examples = []
     for row in rows:
         prompt = tokenizer(format_prompt(tokenizer, row), add_special_tokens=False).input_ids
-        completion = tokenizer(row["completion"] + suffix, add_special_tokens=False).input_ids
+        if row.get("completion_ids"):  # a distilled row: the model's own tokens, as it generated them
+            completion = [int(t) for t in row["completion_ids"]]
+        else:
+            completion = tokenizer(row["completion"] + suffix, add_special_tokens=False).input_ids
         ids = prompt + completion
         labels = [-100] * len(prompt) + completion
         if len(ids) > max_length:

@@ -244,8 +244,13 @@ def row_key(row: dict, sample: int) -> str:
 
 
 def read_distilled(path: str | Path) -> list[dict]:
-    """The rows of a distilled set (prompt, completion, source, ...)."""
+    """The rows of a distilled set (prompt or messages, completion, source, ...): a JSONL file, or
+    a shard folder (`streamspec.data.distill_shards`), shard by shard."""
     path = Path(path)
+    if path.is_dir():
+        from .distill_shards import read_shards
+
+        return read_shards(path)
     if not path.is_file():
         raise FileNotFoundError(f"distilled set {path} does not exist (build it with `streamspec distill`)")
     with path.open(encoding="utf-8") as handle:

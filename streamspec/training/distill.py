@@ -254,7 +254,10 @@ def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list
         from ..data.distill import labelled_rows
 
         return labelled_rows(task, "validation")
-    rows = read_distilled(build_distilled_set(model, task, args))
+    if args.path and Path(args.path).is_dir():  # a shard folder (`streamspec distill --engine vllm`): read as it is
+        rows = _shard_folder_rows(Path(args.path), task)
+    else:
+        rows = read_distilled(build_distilled_set(model, task, args))
     wanted = {row_key(r, s) for r in distill_prompt_rows(task, args.sources, args.questions_per_database, args.seed)
               for s, _, _ in args.plan()}
     stale = [r for r in rows if r["key"] not in wanted]
@@ -264,6 +267,17 @@ def distilled_rows(model: str, task: str, args: DistillArgs, split: str) -> list
     if split == "validation":
         return [r for r in rows if r["source"] == "validation"]
     return [r for r in rows if r["source"] != "validation"]
+
+
+def _shard_folder_rows(folder: Path, task: str) -> list[dict]:
+    """The rows of a shard folder distilled from `task`'s prompts (another task's folder is refused)."""
+    from ..data.distill_shards import read_manifest
+
+    made = (read_manifest(folder) or {}).get("settings", {}).get("task")
+    if made != task:
+        raise ValueError(f"data.distill.path {folder} holds prompts of {made or 'registry sources'!r}, not of task "
+                         f"{task!r} (a chat set trains with data.task: custom, data.path: {folder})")
+    return read_distilled(folder)
 
 
 def server_agreement(model: str, task: str, args: DistillArgs, count: int = 20, device: str = "auto",

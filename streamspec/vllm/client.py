@@ -49,3 +49,75 @@ class VLLMRunError(RuntimeError):
         self.output = output
         tail = "\n".join(output.strip().splitlines()[-25:])
         super().__init__(f"vLLM exited with status {returncode}:\n{tail}")
+
+
+class VLLMGenerator:
+    """vLLM's offline engine in a subprocess of vLLM's environment (`streamspec.vllm.distill`),
+    as a greedy generator: ``generator(prompts, max_tokens, stop_token_ids)`` returns each
+    prompt's generated token ids. Start it with ``with``; it stops on leaving.
+
+    Args:
+        model: a local model folder (or a name vLLM resolves).
+        log: where vLLM's output goes (its last lines are raised with a failure).
+    """
+
+    def __init__(self, model: str, log: str | Path, dtype: str = "float32", max_num_seqs: int = 32, threads: int = 1,
+                 max_model_len: int | None = None, seed: int = 0, python: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.spec = {"model": str(model), "dtype": dtype, "max_num_seqs": max_num_seqs, "threads": threads,
+                     "max_model_len": max_model_len, "seed": seed}
+        self.log, self.python, self.env = Path(log), python, env
+        self.proc: subprocess.Popen | None = None
+        self.start_seconds: float | None = None
+
+    def __enter__(self) -> "VLLMGenerator":
+        exe = vllm_python(self.python)
+        self._tmp = tempfile.TemporaryDirectory(prefix="streamspec-vllm-")
+        spec_path = Path(self._tmp.name) / "spec.json"
+        spec_path.write_text(json.dumps(self.spec), encoding="utf-8")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_handle = self.log.open("w", encoding="utf-8")
+        self.proc = subprocess.Popen([str(exe), "-m", "streamspec.vllm.distill", str(spec_path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log_handle, text=True,
+                                     env={**os.environ, **(self.env or {})})
+        try:
+            self.start_seconds = self._answer()["seconds"]
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __call__(self, prompts: list[list[int]], max_tokens: int, stop_token_ids: list[int]) -> list[list[int]]:
+        if self.proc is None:
+            raise RuntimeError("VLLMGenerator is not started: use it in a `with` block")
+        request = {"prompts": [[int(t) for t in p] for p in prompts], "max_tokens": max_tokens,
+                   "stop_token_ids": list(stop_token_ids)}
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the process has ended: `_answer` raises with its output
+        outputs = self._answer()["outputs"]
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM answered {len(outputs)} outputs for {len(prompts)} prompts")
+        return outputs
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:  # the process ended: say why
+            code = self.proc.wait()
+            self._log_handle.flush()
+            raise VLLMRunError(code, self.log.read_text(encoding="utf-8", errors="replace"))
+        return json.loads(line)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        self._log_handle.close()
+        self._tmp.cleanup()
