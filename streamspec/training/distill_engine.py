@@ -204,7 +204,10 @@ class ShardedRun:
                                       "max_num_seqs": max_num_seqs or args.max_num_seqs})
         self._save_manifest()
         size, stop = args.shard_size, set(self.stop_ids)
-        queue = deque((i, j) for i in self.todo for j in range(i * size, min((i + 1) * size, len(self.conversations))))
+        # within a shard, the conversations of most turns first: they set when the shard is done
+        queue = deque((i, j) for i in self.todo for j in sorted(
+            range(i * size, min((i + 1) * size, len(self.conversations))),
+            key=lambda j: -len(self.conversations[j].get("turns", ()))))
         left = {i: min((i + 1) * size, len(self.conversations)) - i * size for i in self.todo}
         done: dict[int, dict[int, _Chat]] = {i: {} for i in self.todo}
         started: set[int] = set()

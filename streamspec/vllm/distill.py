@@ -30,6 +30,9 @@ def configure_threads(threads: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     # vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # the engine in this process, the model on the same thread: with its own engine and worker
+    # processes, vLLM's engine core spins (sched_yield) on a second core while the worker computes
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def start_engine(spec: dict):
@@ -37,7 +40,8 @@ def start_engine(spec: dict):
 
     return LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
                max_model_len=spec.get("max_model_len"), max_num_seqs=int(spec.get("max_num_seqs", 32)),
-               skip_tokenizer_init=True, seed=int(spec.get("seed", 0)), disable_log_stats=True)
+               skip_tokenizer_init=True, seed=int(spec.get("seed", 0)), disable_log_stats=True,
+               distributed_executor_backend="uni" if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" else None)
 
 
 def generate(llm, request: dict) -> list[list[int]]:
