@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --temperature > 0: each prompt's greedy completion too, beside the --samples sampled ones")
     dist.add_argument("--max-new-tokens", type=int, default=160)
     dist.add_argument("--max-prompt-tokens", type=int, default=None,
-                      help="skip longer prompts (keep within the recipe's data.max_length)")
+                      help="skip longer prompts (keep within the recipe's data.max_length less --max-new-tokens); "
+                           "--engine vllm: a longer turn ends its chat (default: the model's context)")
     dist.add_argument("--batch-size", type=int, default=8)
     dist.add_argument("--seed", type=int, default=0)
     dist.add_argument("--limit", type=int, default=None,
