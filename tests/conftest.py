@@ -111,6 +111,38 @@ def random_ids(batch: int, length: int, seed: int, vocab: int = VOCAB) -> torch.
     return torch.randint(3, vocab, (batch, length), generator=gen)
 
 
+def within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                         unfused: bool = False):
+    """`out` is ``x @ w.T + b`` in bf16: float32 sums of K products rounded once to bf16 (2^-8
+    relative), or, `unfused` (torch's bf16 `F.linear`, which rounds the product before adding the
+    bias), rounded twice, relative to the magnitudes summed."""
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+    if x.numel() == 0:
+        return
+    if unfused:
+        magnitude = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0.0)
+        rounding = magnitude * 2.0 ** -7
+    else:
+        rounding = exact.abs() * 2.0 ** -8
+    bound = rounding + 1e-6 * x.shape[-1] * (x.double().abs().max() * w.double().abs().max() + 1)
+    assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
+
+
+def within_float32_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    if x.numel() == 0:
+        return
+    # float32 sums of K products: K roundings of at most 2^-24 of the running sum's magnitude
+    scale = (x.double().abs() @ w.double().abs().T) + (b.double().abs() if b is not None else 0.0)
+    assert ((out.double() - exact).abs() <= scale * x.shape[-1] * 2.0 ** -23 + 1e-30).all()
+
+
+def within_rounding(out, x, w, b):
+    (within_bf16_rounding if out.dtype == torch.bfloat16 else within_float32_rounding)(out, x, w, b)
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param

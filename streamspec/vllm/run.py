@@ -27,6 +27,9 @@ from .format import ALIGNMENT_ENV
 
 # vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# the engine in this process, on the model's thread: with its own engine-core process, vLLM starts
+# three times slower here and its engine core spins (sched_yield) on a core the model needs
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def speculative_config(run: dict) -> dict | None:
@@ -69,7 +72,8 @@ def start_engine(spec: dict, run: dict, max_num_seqs: int):
     return LLM(model=run.get("model", spec["model"]), dtype=spec.get("dtype", "float32"),
                enforce_eager=spec.get("enforce_eager", True), max_model_len=spec.get("max_model_len"),
                max_num_seqs=max(max_num_seqs, 1), skip_tokenizer_init=True, speculative_config=speculative_config(run),
-               disable_log_stats=False, seed=0)
+               disable_log_stats=False, seed=0,
+               distributed_executor_backend="uni" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else None)
 
 
 def decode(llm, spec: dict, run: dict) -> dict:

@@ -16,7 +16,7 @@ from torch import nn
 from streamspec import native
 from streamspec.kernels import PackedLinear, cpu_kernels_available, pack_linear_layers, packed_dtypes, unpack_linear_layers
 
-from conftest import NativeSpy, native_op_calls
+from conftest import NativeSpy, native_op_calls, within_bf16_rounding, within_float32_rounding, within_rounding
 
 _WANTED = native.cpu_has_avx512_bf16() and os.environ.get("STREAMSPEC_NATIVE_KERNELS", "1") not in ("0", "false", "off", "no")
 
@@ -31,37 +31,13 @@ def kernel():
     return module
 
 
-def _within_bf16_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
-    # one rounding of the output to bf16 (2^-8 relative) and float32 sums of K products
-    assert out.dtype == torch.bfloat16 and out.shape == exact.shape
-    if x.numel() == 0:
-        return
-    bound = exact.abs() * 2.0 ** -8 + 1e-6 * x.shape[-1] * (x.double().abs().max() * w.double().abs().max() + 1)
-    assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
-
-
-def _within_float32_rounding(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
-    assert out.dtype == torch.float32 and out.shape == exact.shape
-    if x.numel() == 0:
-        return
-    # float32 sums of K products: K roundings of at most 2^-24 of the running sum's magnitude
-    scale = (x.double().abs() @ w.double().abs().T) + (b.double().abs() if b is not None else 0.0)
-    assert ((out.double() - exact).abs() <= scale * x.shape[-1] * 2.0 ** -23 + 1e-30).all()
-
-
-def _within_rounding(out, x, w, b):
-    (_within_bf16_rounding if out.dtype == torch.bfloat16 else _within_float32_rounding)(out, x, w, b)
-
-
 @pytest.mark.parametrize("n, k", [(96, 48), (13, 45), (8, 32), (9, 33), (7, 1), (1536, 576), (40, 100)])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 8, 12, 13, 14, 25])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_is_the_exact_product_up_to_rounding(kernel, n, k, rows, bias, dtype):
     torch.manual_seed(n * 1000 + k + rows)
-    check = _within_bf16_rounding if dtype == torch.bfloat16 else _within_float32_rounding
+    check = within_bf16_rounding if dtype == torch.bfloat16 else within_float32_rounding
     w = torch.randn(n, k, dtype=dtype)
     b = torch.randn(n, dtype=dtype) if bias else None
     x = torch.randn(rows, k, dtype=dtype)
@@ -115,12 +91,12 @@ def test_passes_of_a_few_rows_take_the_kernel_and_longer_ones_onednn(counting, c
             ops = native_op_calls(lambda: result.append(run(x)))  # (compiled graphs call the C++ operator)
             out = result[0]
             assert (counting.calls > before or ops["linear"] > 0) == by_kernel, rows
-            _within_bf16_rounding(out[0], x[0], layer.weight, layer.bias)
+            within_bf16_rounding(out[0], x[0], layer.weight, layer.bias)
             torch.testing.assert_close(out, reference(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
         # an in-place change of the weight reaches the kernel's layout too
         layer.weight.mul_(-1)
         x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
-        _within_bf16_rounding(run(x)[0], x[0], layer.weight, layer.bias)
+        within_bf16_rounding(run(x)[0], x[0], layer.weight, layer.bias)
 
 
 @pytest.mark.skipif(not cpu_kernels_available() or torch.bfloat16 not in packed_dtypes(), reason="no oneDNN bf16 here")
@@ -315,10 +291,10 @@ def test_compiled_layers_take_the_cpp_operator_and_see_every_weight_change(kerne
         assert kernel.pack_of(layer.weight).data_ptr() == own.data_ptr()  # and one pack, not a second
         layer.weight.mul_(-3)  # in place: the version moves
         assert torch.equal(step(x), layer(x))
-        _within_rounding(step(x)[0], x[0], layer.weight, layer.bias)
+        within_rounding(step(x)[0], x[0], layer.weight, layer.bias)
         layer.weight = nn.Parameter(torch.randn(70, 63, dtype=dtype))  # a new tensor
         assert torch.equal(step(x), layer(x))
-        _within_rounding(step(x)[0], x[0], layer.weight, layer.bias)
+        within_rounding(step(x)[0], x[0], layer.weight, layer.bias)
 
 
 def test_linear_of_refuses_another_width_and_drops_dead_weights(kernel):
