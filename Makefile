@@ -24,11 +24,21 @@ install: $(STAMP)
 # vLLM's own environment, with streamspec's plugin (the streams as vLLM's drafter; docs/serving.md).
 # vLLM brings torchvision and torchaudio, which fail to import beside torch 2.13's CPU build and which
 # no text model needs: they go.
-$(VLLM_STAMP): requirements-vllm.txt setup.py
+# vLLM's suffix decoding (the vllm_suffix row) imports arctic-inference's suffix trees, a C++20
+# extension the package publishes as source only: built here, after its build tools
+# (requirements-vllm-suffix.txt), without build isolation (its setup.py imports this environment's
+# torch), with this environment's bin first on PATH so that CMake finds its python3 and cmake. Only
+# the suffix-tree extension: the package's CUDA custom ops build only with
+# ARCTIC_INFERENCE_PRECOMPILED_OPS on; Release, two jobs: about 25 s on two cores (pip keeps the
+# wheel in its cache for the next build).
+$(VLLM_STAMP): requirements-vllm.txt requirements-vllm-suffix.txt setup.py
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm-suffix.txt
+	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" ARCTIC_INFERENCE_PRECOMPILED_OPS=0 DEBUG=0 CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 

@@ -1,5 +1,6 @@
-"""The vLLM rows of a `streamspec eval --peers vllm,vllm_ngram,vllm_streams --out DIR` run as a
-docs/results file (then `python eval/report.py` puts its table in docs/benchmarks.md).
+"""The vLLM rows of a `streamspec eval --peers vllm,... --out DIR` run as a docs/results file (then
+`python eval/report.py` puts its table in docs/benchmarks.md); the peers: vllm, vllm_ngram,
+vllm_suffix, vllm_streams.
 
     python eval/vllm_table.py DIR docs/results/vllm_spider.json --command "..." --machine "AMD EPYC, 2 cores"
 """

@@ -247,9 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--peers", type=peers_or_none_arg, default="auto", metavar="auto|all|none|NAME[,NAME]",
                     help="rows beside ours: transformers_compiled (static cache + torch.compile), llama_cpp and "
                          "llama_cpp_lookup (the model's GGUF through llama.cpp, plain and with its n-gram speculation), "
-                         "memory_floor (what a pass must read over the measured bandwidth); vllm, vllm_ngram and "
-                         "vllm_streams (vLLM plain, with its n-gram drafter, with these streams as its drafter; one "
-                         "request at a time and 8 at once, in `make vllm`'s environment); auto: the first four "
+                         "memory_floor (what a pass must read over the measured bandwidth); vllm, vllm_ngram, "
+                         "vllm_suffix and vllm_streams (vLLM plain, with its n-gram drafter, with its suffix decoding, "
+                         "with these streams as its drafter; one request at a time and 8 at once, in `make vllm`'s "
+                         "environment); auto: the first four "
                          "(llama.cpp ones when a GGUF is known); all: every one")
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")

@@ -27,7 +27,7 @@ import torch
 # in process, run by --peers auto
 AUTO_PEERS = ("transformers_compiled", "llama_cpp", "llama_cpp_lookup", "memory_floor")
 # vLLM in its own environment (`streamspec.evaluation.vllm_peers`): named, or --peers all
-PEERS = AUTO_PEERS + ("vllm", "vllm_ngram", "vllm_streams")
+PEERS = AUTO_PEERS + ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams")
 CAPACITY_STEP = 256  # transformers_compiled's static cache holds a multiple of this many tokens
 
 

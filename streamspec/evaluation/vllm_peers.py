@@ -1,5 +1,6 @@
-"""vLLM as the benchmark's peer: plain, with its n-gram drafter, and with the streams as its drafter
-(`streamspec.vllm`), one request at a time and `CONCURRENT` at once.
+"""vLLM as the benchmark's peer: plain, with its n-gram drafter, with its suffix decoding (suffix
+trees of the prompt and the output so far; arctic-inference's, which `make vllm` builds), and with
+the streams as its drafter (`streamspec.vllm`), one request at a time and `CONCURRENT` at once.
 
 The rows run in vLLM's own environment through a subprocess (`streamspec.vllm.client`), each on
 a fresh engine, on the same prompts (token ids) and with the same number of new tokens as the
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import tempfile
 
-VLLM_PEERS = ("vllm", "vllm_ngram", "vllm_streams")
+VLLM_PEERS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams")
 CONCURRENT = 8
-DRAFTERS = {"vllm": "none", "vllm_ngram": "ngram", "vllm_streams": "streams"}
+DRAFTERS = {"vllm": "none", "vllm_ngram": "ngram", "vllm_suffix": "suffix", "vllm_streams": "streams"}
 NGRAM_TOKENS = 4  # vLLM's n-gram drafter: drafts a pass (its prompt_lookup_max as well)
+# vLLM's suffix decoding runs with `streamspec.vllm.run.SUFFIX_DEFAULTS` (at most 8 drafts a pass, as
+# far as its match supports; no global tree of earlier responses)
 
 
 def vllm_base(name_or_path: str) -> str:
@@ -32,8 +35,9 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
               concurrency: tuple[int, ...] = (1, CONCURRENT)) -> dict[str, dict]:
     """The vLLM rows the benchmark asked for (`peers` ∩ `VLLM_PEERS`), named ``PEER`` (one at a
     time) and ``PEER@N`` (N at once). Plain vLLM always runs when another vLLM row does (the
-    others are compared with it). Returns {} with a note when vLLM's environment is missing."""
-    from ..vllm.client import run_vllm, vllm_python
+    others are compared with it). Returns {} with a note when vLLM's environment is missing; raises
+    when ``vllm_suffix`` is asked for and that environment lacks arctic-inference."""
+    from ..vllm.client import check_suffix_decoding, run_vllm, vllm_python
 
     wanted = [p for p in VLLM_PEERS if p in peers]
     if not wanted:
@@ -43,6 +47,8 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
     except FileNotFoundError as err:
         print(f"peers: {err}; no vLLM rows")
         return {}
+    if "vllm_suffix" in wanted:
+        check_suffix_decoding()  # before any engine starts: raises with the fix (`make vllm`)
     if "vllm" not in wanted:
         wanted.insert(0, "vllm")
     with tempfile.TemporaryDirectory(prefix="streamspec-vllm-drafter-") as tmp:
@@ -105,6 +111,7 @@ def result_table(summary: dict, **facts) -> dict:
                      "x_vllm": round(entry["tokens_per_second"] / plain, 3) if plain else None,
                      "mean_acceptance_length": entry["mean_acceptance_length"], "identical": entry["identical_to_vllm"]})
     if not rows:
-        raise ValueError("the summary has no vLLM rows: run streamspec eval with --peers vllm,vllm_ngram,vllm_streams")
+        raise ValueError("the summary has no vLLM rows: run streamspec eval with "
+                         "--peers vllm,vllm_ngram,vllm_suffix,vllm_streams")
     rows.sort(key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["method"])))
     return {**facts, "columns": COLUMNS, "rows": rows}

@@ -11,6 +11,10 @@ import tempfile
 from pathlib import Path
 
 VLLM_PYTHON_ENV = "STREAMSPEC_VLLM_PYTHON"
+# vLLM's suffix decoding (drafter "suffix") imports arctic-inference's suffix trees, a C++ extension
+# that the package ships as source only: `make vllm` builds it into vLLM's environment
+SUFFIX_DECODING_MISSING = ("vLLM's suffix decoding (drafter \"suffix\", the vllm_suffix row) needs "
+                           "arctic-inference==0.3.0 built into vLLM's environment: run `make vllm`")
 
 
 def vllm_python(python: str | None = None) -> Path:
@@ -24,6 +28,16 @@ def vllm_python(python: str | None = None) -> Path:
     raise FileNotFoundError(
         "no vLLM environment found: build one with `make vllm` (a checkout's .venv-vllm), or point "
         f"${VLLM_PYTHON_ENV} at the Python of an environment with vLLM and streamspec installed")
+
+
+def check_suffix_decoding(python: str | None = None, env: dict[str, str] | None = None) -> None:
+    """Raises `SUFFIX_DECODING_MISSING`, with the import's error, when vLLM's environment cannot
+    load arctic-inference's suffix trees (a Python start, no vLLM)."""
+    proc = subprocess.run([str(vllm_python(python)), "-c", "import arctic_inference.suffix_decoding"],
+                          capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise RuntimeError(f"{SUFFIX_DECODING_MISSING} ({lines[-1] if lines else f'status {proc.returncode}'})")
 
 
 def run_vllm(spec: dict, python: str | None = None, env: dict[str, str] | None = None,

@@ -6,13 +6,14 @@ tests call it through a subprocess, so the rest of streamspec never imports vLLM
     python -m streamspec.vllm.run SPEC.json OUT.json
 
 SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
-"prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "streams",
-"folder": drafter folder, "num_speculative_tokens": K, "concurrency": 1 | n, "model": folder (default:
-the spec's)}, ...]}``. Consecutive runs of the same model and drafter share one engine (started
-with room for the largest concurrency among them; an engine's start costs more than most runs); a
-run of another model or drafter gets a fresh one. OUT holds, per run, each prompt's output token
-ids, the wall time of the decode, tokens/s, and vLLM's own speculative counters (read before and
-after the run, so runs on a shared engine count only their own).
+"prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "suffix" |
+"streams", "folder": drafter folder, "num_speculative_tokens": K, "concurrency": 1 | n, "model":
+folder (default: the spec's)}, ...]}``; a suffix run may also set vLLM's ``suffix_decoding_*``
+options (`SUFFIX_DEFAULTS`). Consecutive runs of the same model and drafter share one engine
+(started with room for the largest concurrency among them; an engine's start costs more than most
+runs); a run of another model or drafter gets a fresh one. OUT holds, per run, each prompt's
+output token ids, the wall time of the decode, tokens/s, and vLLM's own speculative counters (read
+before and after the run, so runs on a shared engine count only their own).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 
+from .client import SUFFIX_DECODING_MISSING
 from .format import ALIGNMENT_ENV
 
 # vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
@@ -30,6 +32,21 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # the engine in this process, on the model's thread: with its own engine-core process, vLLM starts
 # three times slower here and its engine core spins (sched_yield) on a core the model needs
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# vLLM's suffix decoding (https://arxiv.org/abs/2411.04975; its suffix trees are arctic-inference's
+# C++ extension, which `make vllm` builds): drafts continue the longest match of the text's end in
+# suffix trees of the request's prompt and output so far, as long as the match supports (at most
+# max_spec_factor × its length) and while a token's frequency there is at least min_token_prob.
+# vLLM's own defaults, but for two:
+# - num_speculative_tokens 8 (vLLM's default is the tree depth, 24): on a CPU every drafted token is
+#   a row of the verification pass, and a long draft past the match's end mostly costs;
+# - max_cached_requests 0: no global tree of earlier responses. Runs on one engine decode the same
+#   prompts (and the warm-up decodes the first), so later runs would draft the earlier runs' outputs.
+#   A run may set it to measure the method with that tree: alone in its spec, since consecutive
+#   runs of the same settings share an engine.
+SUFFIX_DEFAULTS = {"num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
+                   "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 1.0,
+                   "suffix_decoding_min_token_prob": 0.1}
 
 
 def speculative_config(run: dict) -> dict | None:
@@ -40,6 +57,8 @@ def speculative_config(run: dict) -> dict | None:
     if drafter == "ngram":
         return {"method": "ngram", "num_speculative_tokens": run.get("num_speculative_tokens", 4),
                 "prompt_lookup_max": run.get("prompt_lookup_max", 4), "prompt_lookup_min": 1}
+    if drafter == "suffix":
+        return {"method": "suffix", **{k: run.get(k, v) for k, v in SUFFIX_DEFAULTS.items()}}
     if drafter == "streams":
         config = {"method": "eagle3", "model": run["folder"], "parallel_drafting": True}
         if run.get("num_speculative_tokens"):
@@ -48,7 +67,16 @@ def speculative_config(run: dict) -> dict | None:
             with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
                 config["num_speculative_tokens"] = json.load(f)["streamspec"]["num_speculative_tokens"]
         return config
-    raise ValueError(f"drafter must be none, ngram or streams, got {drafter!r}")
+    raise ValueError(f"drafter must be none, ngram, suffix or streams, got {drafter!r}")
+
+
+def require_suffix_decoding() -> None:
+    """Raises, naming the fix, when this environment lacks arctic-inference's suffix trees (vLLM's
+    own message would ask for another version of the package)."""
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401  (loads the C++ extension)
+    except ImportError as err:
+        raise RuntimeError(f"{SUFFIX_DECODING_MISSING} ({err})") from err
 
 
 def counters(llm) -> dict[str, float]:
@@ -67,6 +95,8 @@ def engine_key(spec: dict, run: dict) -> str:
 
 def start_engine(spec: dict, run: dict, max_num_seqs: int):
     """A vLLM engine for `run`'s model and drafter, with room for `max_num_seqs` requests at once."""
+    if run.get("drafter") == "suffix":
+        require_suffix_decoding()
     from vllm import LLM
 
     return LLM(model=run.get("model", spec["model"]), dtype=spec.get("dtype", "float32"),

@@ -1,7 +1,7 @@
 """The streams as vLLM's drafter, run in vLLM itself (its CPU build, in `make vllm`'s environment):
 greedy outputs identical to vLLM without speculation, the drafter aligned with the target, its
 drafts equal to streamspec's own stream predictions, vLLM's acceptance counters read back, and a
-drafter for another base refused."""
+drafter for another base refused. vLLM's suffix decoding (the ``vllm_suffix`` row) beside them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from streamspec import StreamConfig, add_streams, load_streamed
-from streamspec.vllm.client import VLLMRunError, run_vllm, vllm_python
+from streamspec.vllm.client import VLLMRunError, check_suffix_decoding, run_vllm, vllm_python
 from streamspec.vllm.format import ALIGNMENT_ENV
 from streamspec.vllm.export import export_for_vllm
 
@@ -103,9 +103,9 @@ ARCHS = ("llama", "qwen2", "mistral")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """Per architecture: plain and streams runs of the same prompts, with the drafter's log; and the
-    llama drafter fed the wrong layer (``wrong_layer``). One vLLM process for all of them: its
-    start-up is most of a run's time."""
+    """Per architecture: plain and streams runs of the same prompts, with the drafter's log; the
+    llama drafter fed the wrong layer (``wrong_layer``); and vLLM's suffix decoding on the llama base
+    (``suffix``). One vLLM process for all of them: its start-up is most of a run's time."""
     root = tmp_path_factory.mktemp("vllm-tiny")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (17, 30, 9)]
@@ -121,6 +121,12 @@ def tiny(tmp_path_factory):
         runs += [{"model": str(base), "drafter": "none", "name": f"{arch}-plain"},
                  {"model": str(base), "drafter": "streams", "folder": str(drafter), "name": f"{arch}-streams"}]
     runs.append({"model": str(folders["llama"][0]), "drafter": "streams", "folder": str(wrong), "name": "wrong-layer"})
+    try:  # without arctic-inference the suffix test fails, saying so, and the others still run
+        check_suffix_decoding()
+        runs.append({"model": str(folders["llama"][0]), "drafter": "suffix", "name": "llama-suffix"})
+        suffix_missing = None
+    except RuntimeError as err:
+        suffix_missing = str(err)
     log = root / "alignment.jsonl"
     spec = {"model": str(folders["llama"][0]), "prompts": prompts, "max_tokens": NEW_TOKENS, "ignore_eos": True,
             "warmup": False, "max_model_len": 256, "runs": runs}
@@ -131,7 +137,11 @@ def tiny(tmp_path_factory):
         arch_log, start = run_records(records, done, 2 * i + 1)
         results[arch] = dict(base=folders[arch][0], drafter=folders[arch][1], runs=done[2 * i:2 * i + 2], log=arch_log,
                              log_start=start, full_log=records, prompts=prompts, root=root)
-    results["wrong_layer"] = dict(run=done[-1], log=run_records(records, done, len(done) - 1)[0])
+    by_name = {run["name"]: i for i, run in enumerate(done)}
+    results["wrong_layer"] = dict(run=done[by_name["wrong-layer"]],
+                                  log=run_records(records, done, by_name["wrong-layer"])[0])
+    results["suffix"] = dict(run=done[by_name["llama-suffix"]] if not suffix_missing else None,
+                             plain=done[by_name["llama-plain"]], missing=suffix_missing)
     return results
 
 
@@ -157,6 +167,21 @@ def test_a_drafter_fed_the_wrong_layer_is_caught(tiny):
     checked, agreed = sum(r["checked"] for r in records), sum(r["agreed"] for r in records)
     assert checked > 0 and agreed <= checked // 2
     assert tiny["wrong_layer"]["run"]["outputs"] == tiny["llama"]["runs"][0]["outputs"]
+
+
+def test_suffix_decoding_decodes_identically_and_drafts(tiny):
+    """vLLM's suffix decoding (arctic-inference's suffix trees, built by `make vllm`): drafts from
+    the prompt and the output so far, where a random model's greedy text soon repeats itself, and
+    outputs identical to vLLM without speculation."""
+    if tiny["suffix"]["missing"]:
+        pytest.fail(tiny["suffix"]["missing"])
+    run, plain = tiny["suffix"]["run"], tiny["suffix"]["plain"]
+    assert plain["name"] == "llama-plain" and run["name"] == "llama-suffix"
+    assert run["outputs"] == plain["outputs"]
+    assert run["num_speculative_tokens"] == 8
+    assert run["counters"]["vllm:spec_decode_num_drafts"] > 0
+    assert run["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert run["mean_acceptance_length"] > 1
 
 
 def test_a_drafter_for_another_base_is_refused(tiny):

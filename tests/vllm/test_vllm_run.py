@@ -1,0 +1,94 @@
+"""The vLLM runner's pieces that need no vLLM: vLLM's `speculative_config` for each drafter, the
+``vllm_suffix`` row's runs, and the error that names the fix when arctic-inference (vLLM's suffix
+decoding) is missing. tests/vllm/test_vllm_drafter.py runs the drafters in vLLM."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from streamspec.evaluation.peers import AUTO_PEERS, PEERS, peers_arg
+from streamspec.vllm.client import SUFFIX_DECODING_MISSING, VLLMRunError, check_suffix_decoding, run_vllm
+from streamspec.vllm.run import SUFFIX_DEFAULTS, engine_key, speculative_config
+
+
+def test_suffix_drafter_config():
+    config = speculative_config({"drafter": "suffix"})
+    assert config == {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
+                      "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 1.0,
+                      "suffix_decoding_min_token_prob": 0.1}
+    assert config == {"method": "suffix", **SUFFIX_DEFAULTS}
+    # a run's own settings win; others keep the defaults
+    config = speculative_config({"drafter": "suffix", "num_speculative_tokens": 4,
+                                 "suffix_decoding_max_cached_requests": 100})
+    assert config["num_speculative_tokens"] == 4 and config["suffix_decoding_max_cached_requests"] == 100
+    assert config["suffix_decoding_max_tree_depth"] == 24
+    # an engine of its own: not shared with plain or n-gram runs of the same model
+    spec = {"model": "m"}
+    keys = {engine_key(spec, {"drafter": d}) for d in ("none", "ngram", "suffix")}
+    assert len(keys) == 3
+    assert engine_key(spec, {"drafter": "suffix", "name": "a"}) == engine_key(spec, {"drafter": "suffix", "concurrency": 8})
+    with pytest.raises(ValueError, match="none, ngram, suffix or streams"):
+        speculative_config({"drafter": "medusa"})
+
+
+def test_the_suffix_peer_is_named_not_automatic():
+    assert "vllm_suffix" in PEERS and "vllm_suffix" not in AUTO_PEERS
+    assert peers_arg("vllm,vllm_suffix") == ("vllm", "vllm_suffix")
+
+
+def without_arctic_inference(tmp_path) -> dict[str, str]:
+    """An environment whose `arctic_inference` has no suffix decoding (a package of that name
+    first on the path), as in a vLLM environment built before `make vllm` built it."""
+    (tmp_path / "shadow" / "arctic_inference").mkdir(parents=True)
+    (tmp_path / "shadow" / "arctic_inference" / "__init__.py").write_text("")
+    path = [str(tmp_path / "shadow")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join(path)}
+
+
+def test_missing_suffix_decoding_names_the_fix(tmp_path):
+    env = without_arctic_inference(tmp_path)
+    with pytest.raises(RuntimeError, match="make vllm") as caught:
+        check_suffix_decoding(python=sys.executable, env=env)
+    assert "arctic-inference==0.3.0" in str(caught.value) and "arctic_inference.suffix_decoding" in str(caught.value)
+    # the runner refuses a suffix run before it starts vLLM, with the same message
+    spec = {"model": "unused", "prompts": [[5, 6, 7]], "max_tokens": 4, "runs": [{"drafter": "suffix"}]}
+    with pytest.raises(VLLMRunError) as caught:
+        run_vllm(spec, python=sys.executable, env=env, timeout=120)
+    assert SUFFIX_DECODING_MISSING in caught.value.output
+
+
+def test_the_vllm_suffix_rows(monkeypatch):
+    """`vllm_rows` with ``vllm_suffix``: plain vLLM beside it, each at both concurrencies, the suffix
+    runs with the runner's defaults; a vLLM environment without arctic-inference is refused
+    before anything runs."""
+    import streamspec.vllm.client as client
+    from streamspec.evaluation.vllm_peers import vllm_rows
+
+    specs = []
+
+    def fake_run(spec):
+        specs.append(spec)
+        return {"runs": [{"name": r["name"], "concurrency": r["concurrency"], "outputs": [[7, 8]], "tokens": 2,
+                          "seconds": 0.1, "tokens_per_s": 20.0,
+                          "mean_acceptance_length": None if r["drafter"] == "none" else 1.5} for r in spec["runs"]]}
+
+    monkeypatch.setattr(client, "vllm_python", lambda python=None: sys.executable)
+    monkeypatch.setattr(client, "check_suffix_decoding", lambda python=None, env=None: None)
+    monkeypatch.setattr(client, "run_vllm", fake_run)
+    rows = vllm_rows(("vllm_suffix",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0, concurrency=(1, 4))
+    assert [(r["name"], r["drafter"], r["concurrency"]) for r in specs[0]["runs"]] == [
+        ("vllm", "none", 1), ("vllm@4", "none", 4), ("vllm_suffix", "suffix", 1), ("vllm_suffix@4", "suffix", 4)]
+    assert all(speculative_config(r) in (None, {"method": "suffix", **SUFFIX_DEFAULTS}) for r in specs[0]["runs"])
+    assert sorted(rows) == ["vllm", "vllm@4", "vllm_suffix", "vllm_suffix@4"]
+    assert rows["vllm_suffix"]["identical_to_vllm"] and rows["vllm_suffix"]["mean_acceptance_length"] == 1.5
+
+    def missing(python=None, env=None):
+        raise RuntimeError(SUFFIX_DECODING_MISSING)
+
+    monkeypatch.setattr(client, "check_suffix_decoding", missing)
+    with pytest.raises(RuntimeError, match="make vllm"):
+        vllm_rows(("vllm", "vllm_suffix"), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0)
+    assert len(specs) == 1  # nothing ran
