@@ -160,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "prompt sources of the registry)")
     dist.add_argument("--sources", nargs="+", default=None,
                       help="the task's: train (default), validation, unused_databases (SQL: Spider schemas no split "
-                           "uses); or prompt sources of the registry (`streamspec data list`; with --engine vllm), "
-                           "e.g. chitchat evals: multi-turn chats")
+                           "uses), SQL ones also as SOURCE@STYLE with the schema in a style of "
+                           "streamspec.data.schema_styles (train@untyped, unused_databases@compact, ...); or prompt "
+                           "sources of the registry (`streamspec data list`; with --engine vllm), e.g. chitchat "
+                           "evals: multi-turn chats")
     dist.add_argument("--split", default="train", choices=["train", "validation"],
                       help="--engine vllm with registry sources: which side of their train/validation split")
     dist.add_argument("--validation-fraction", type=float, default=0.02,

@@ -10,6 +10,11 @@ the model's completions (greedy, or sampled):
   ``tables.json``), with questions written from templates over each schema's tables and columns
   (`template_questions`).
 
+SQL sources also come with the schema in another style of `streamspec.data.schema_styles`:
+``SOURCE@STYLE`` (``train@untyped``, ``unused_databases@compact``, ...; ``@spider`` is the source
+itself), the same questions over the same databases, so that the set holds the model's SQL for
+schemas written the ways users write them.
+
 `streamspec.training.distill.build_distilled_set` decodes them with streamspec's own batch
 decoder and appends each finished batch to a JSONL file; `distilled_set_path` names the cached
 file a recipe's ``data.distill`` section uses.
@@ -94,9 +99,12 @@ class DistillArgs:
         allowed = SOURCES.get(task)
         if allowed is None:
             raise ValueError(f"data.distill works with data.task in {sorted(SOURCES)}, not {task!r}")
-        unknown = [s for s in self.sources if s not in allowed]
+        unknown = [s for s in self.sources if not _known_source(task, s)]
         if unknown:
-            raise ValueError(f"data.distill.sources {unknown} are not sources of task {task!r}; allowed: {list(allowed)}")
+            styles = ("; SQL sources also as SOURCE@STYLE, STYLE one of "
+                      f"{list(_schema_styles())}" if task == "sql" else "")
+            raise ValueError(f"data.distill.sources {unknown} are not sources of task {task!r}; allowed: "
+                             f"{list(allowed)}{styles}")
 
     def settings(self) -> dict:
         """What decides the set's content (the cache key, with the model and the task)."""
@@ -109,6 +117,25 @@ class DistillArgs:
         if self.server is not None:  # another engine's text is another set
             settings["server"] = self.server
         return settings
+
+
+def _schema_styles() -> tuple[str, ...]:
+    from .schema_styles import SCHEMA_STYLES
+
+    return SCHEMA_STYLES
+
+
+def split_source(source: str) -> tuple[str, str | None]:
+    """``SOURCE@STYLE`` -> (SOURCE, STYLE); a plain source -> (source, None)."""
+    base, at, style = source.partition("@")
+    return (base, style) if at else (source, None)
+
+
+def _known_source(task: str, source: str) -> bool:
+    base, style = split_source(source)
+    if base not in SOURCES.get(task, ()):
+        return False
+    return style is None or (task == "sql" and style in _schema_styles())
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -186,16 +213,18 @@ def template_questions(schema: dict, count: int, seed: int = 0) -> list[str]:
     return unique[:count]
 
 
-def unused_spider_rows(questions_per_database: int = 4, seed: int = 0) -> list[dict]:
-    """Prompts over the Spider databases that no split uses: `template_questions` for each."""
-    from .spider import _schemas, create_table_statements, spider_dir, sql_prompt
+def unused_spider_rows(questions_per_database: int = 4, seed: int = 0, style: str = "spider") -> list[dict]:
+    """Prompts over the Spider databases that no split uses: `template_questions` for each, the
+    schema in `style` (`streamspec.data.schema_styles`)."""
+    from .schema_styles import render_schema
+    from .spider import _schemas, spider_dir, sql_prompt
 
     used = {r["db_id"] for r in json.loads((spider_dir() / "dev.json").read_text())}
     rows = []
     for db_id, schema in sorted(_schemas().items()):
         if db_id in used:
             continue
-        statements = create_table_statements(schema)
+        statements = render_schema(schema, style, seed)
         for question in template_questions(schema, questions_per_database, seed):
             rows.append({"db_id": db_id, "question": question, "prompt": sql_prompt(statements, question)})
     return rows
@@ -213,8 +242,13 @@ def distill_prompt_rows(task: str, sources: list[str], questions_per_database: i
     DistillArgs(sources=list(sources), questions_per_database=questions_per_database).check_task(task)
     rows: list[dict] = []
     for source in sources:
-        if source == "unused_databases":
-            part = unused_spider_rows(questions_per_database, seed)
+        base, style = split_source(source)
+        if base == "unused_databases":
+            part = unused_spider_rows(questions_per_database, seed, style or "spider")
+        elif style is not None:
+            from .schema_styles import styled_spider_rows
+
+            part = [{k: v for k, v in r.items() if k != "completion"} for r in styled_spider_rows(style, base, seed)]
         else:
             part = [{k: v for k, v in r.items() if k != "completion"} for r in labelled_rows(task, source)]
         rows += [{**r, "source": source} for r in part]

@@ -118,6 +118,28 @@ def test_distill_prompts_are_the_labelled_prompts_without_completions():
     assert [r["source"] for r in both] == ["validation"] * len(load_spider("validation")) + ["train"] * len(labelled)
 
 
+def test_sql_sources_in_another_schema_style_keep_their_questions_and_databases():
+    from streamspec.data.schema_styles import render_schema
+    from streamspec.data.spider import _schemas
+
+    plain = distill_prompt_rows("sql", ["train", "unused_databases"], questions_per_database=1)
+    for style in ("untyped", "compact", "renamed", "long"):
+        styled = distill_prompt_rows("sql", [f"train@{style}", f"unused_databases@{style}"], questions_per_database=1)
+        assert [(r["db_id"], r["question"]) for r in styled] == [(r["db_id"], r["question"]) for r in plain]
+        assert {r["source"] for r in styled} == {f"train@{style}", f"unused_databases@{style}"}
+        for row in styled[::97]:
+            assert render_schema(_schemas()[row["db_id"]], style) in row["prompt"]
+            assert row["prompt"] != next(p["prompt"] for p in plain if p["question"] == row["question"]
+                                         and p["db_id"] == row["db_id"])
+    assert [r["prompt"] for r in distill_prompt_rows("sql", ["train@spider"])] == [r["prompt"] for r in plain
+                                                                                  if r["source"] == "train"]
+    for bad in ("train@yaml", "test@untyped"):
+        with pytest.raises(ValueError, match="SOURCE@STYLE"):
+            distill_prompt_rows("sql", [bad])
+    with pytest.raises(ValueError, match="train@untyped"):  # styles are SQL's
+        distill_prompt_rows("summarize", ["train@untyped"])
+
+
 @pytest.mark.parametrize("task", ["summarize", "gsm8k_solutions"])
 def test_distill_prompts_of_the_other_tasks(task):
     rows = distill_prompt_rows(task, ["validation"])
