@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "prompt sources of the registry)")
     dist.add_argument("--sources", nargs="+", default=None,
                       help="the task's: train (default), validation, unused_databases (SQL: Spider schemas no split "
-                           "uses), SQL ones also as SOURCE@STYLE with the schema in a style of "
+                           "uses), schema_questions and self_instruct (the model's own questions about those "
+                           "schemas, then its SQL for them: --questions-from), SQL ones also as SOURCE@STYLE with "
+                           "the schema in a style of "
                            "streamspec.data.schema_styles (train@untyped, unused_databases@compact, ...); or prompt "
                            "sources of the registry (`streamspec data list`; with --engine vllm), e.g. chitchat "
                            "evals: multi-turn chats")
@@ -169,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--validation-fraction", type=float, default=0.02,
                       help="--engine vllm with registry sources: the share held out as validation")
     dist.add_argument("--questions-per-database", type=int, default=4, help="template questions per unused schema")
+    dist.add_argument("--questions-from", default=None,
+                      help="--engine vllm, SQL source self_instruct: the set of the model's own questions "
+                           "(distilled with --sources schema_questions; streamspec.data.self_instruct)")
     dist.add_argument("--samples", type=int, default=1, help="completions per prompt (>1 needs --temperature)")
     dist.add_argument("--temperature", type=float, default=0.0)
     dist.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of sampled completions")

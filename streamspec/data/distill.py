@@ -9,6 +9,9 @@ the model's completions (greedy, or sampled):
 - ``unused_databases`` (SQL only): the Spider schemas that no split uses (146 of the 166 in
   ``tables.json``), with questions written from templates over each schema's tables and columns
   (`template_questions`).
+- ``schema_questions`` and ``self_instruct`` (SQL only): the model's own questions about those
+  schemas, and its SQL for them (`streamspec.data.self_instruct`; ``self_instruct`` reads the
+  questions from a ``schema_questions`` set, `questions_from`).
 
 SQL sources also come with the schema in another style of `streamspec.data.schema_styles`:
 ``SOURCE@STYLE`` (``train@untyped``, ``unused_databases@compact``, ...; ``@spider`` is the source
@@ -29,8 +32,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SOURCES = {"sql": ("train", "validation", "unused_databases"), "summarize": ("train", "validation"),
-           "gsm8k_solutions": ("train", "validation")}
+SOURCES = {"sql": ("train", "validation", "unused_databases", "schema_questions", "self_instruct"),
+           "summarize": ("train", "validation"), "gsm8k_solutions": ("train", "validation")}
+#: the SQL sources that also come as SOURCE@STYLE (the others are not SQL prompts over a schema)
+STYLED_SOURCES = ("train", "validation", "unused_databases", "self_instruct")
 META_SUFFIX = ".meta.json"
 
 
@@ -101,7 +106,7 @@ class DistillArgs:
             raise ValueError(f"data.distill works with data.task in {sorted(SOURCES)}, not {task!r}")
         unknown = [s for s in self.sources if not _known_source(task, s)]
         if unknown:
-            styles = ("; SQL sources also as SOURCE@STYLE, STYLE one of "
+            styles = (f"; {list(STYLED_SOURCES)} also as SOURCE@STYLE, STYLE one of "
                       f"{list(_schema_styles())}" if task == "sql" else "")
             raise ValueError(f"data.distill.sources {unknown} are not sources of task {task!r}; allowed: "
                              f"{list(allowed)}{styles}")
@@ -135,7 +140,7 @@ def _known_source(task: str, source: str) -> bool:
     base, style = split_source(source)
     if base not in SOURCES.get(task, ()):
         return False
-    return style is None or (task == "sql" and style in _schema_styles())
+    return style is None or (task == "sql" and base in STYLED_SOURCES and style in _schema_styles())
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -237,13 +242,26 @@ def labelled_rows(task: str, split: str) -> list[dict]:
     return task_rows(task, split)
 
 
-def distill_prompt_rows(task: str, sources: list[str], questions_per_database: int = 4, seed: int = 0) -> list[dict]:
-    """The prompts of a distilled set, source by source (each row keeps its ``source``)."""
+def distill_prompt_rows(task: str, sources: list[str], questions_per_database: int = 4, seed: int = 0,
+                        questions_from: str | Path | None = None) -> list[dict]:
+    """The prompts of a distilled set, source by source (each row keeps its ``source``).
+    `questions_from`: the ``schema_questions`` set ``self_instruct`` reads its questions from."""
     DistillArgs(sources=list(sources), questions_per_database=questions_per_database).check_task(task)
     rows: list[dict] = []
     for source in sources:
         base, style = split_source(source)
-        if base == "unused_databases":
+        if base == "schema_questions":
+            from .self_instruct import question_request_rows
+
+            part = question_request_rows()
+        elif base == "self_instruct":
+            from .self_instruct import self_instruct_rows
+
+            if questions_from is None:
+                raise ValueError("the self_instruct source needs the model's questions: --questions-from, a set "
+                                 "distilled with --sources schema_questions")
+            part = self_instruct_rows(questions_from, style or "spider", seed)
+        elif base == "unused_databases":
             part = unused_spider_rows(questions_per_database, seed, style or "spider")
         elif style is not None:
             from .schema_styles import styled_spider_rows

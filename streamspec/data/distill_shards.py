@@ -50,6 +50,8 @@ class ShardedDistillArgs:
         max_prompt_tokens: a turn whose prompt is longer ends its conversation (None: what the
             engine's context leaves after `max_new_tokens`).
         limit: only the first `limit` conversations of the set's order.
+        questions_from: the ``schema_questions`` set whose questions the ``self_instruct`` source
+            asks (`streamspec.data.self_instruct`).
         max_tokens_total: stop once the set holds this many generated tokens, at a shard boundary.
         max_num_seqs: requests the engine decodes at once; threads: its CPU threads.
     """
@@ -69,6 +71,7 @@ class ShardedDistillArgs:
     max_tokens_total: int | None = None
     max_num_seqs: int = 32
     threads: int = 1
+    questions_from: str | None = None
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -97,6 +100,8 @@ class ShardedDistillArgs:
             settings.pop("split"), settings.pop("validation_fraction")
         else:
             settings.pop("questions_per_database")
+        if self.questions_from is not None:  # the folder's name: the set it names is part of the content
+            settings["questions_from"] = Path(self.questions_from).name
         return settings
 
 

@@ -39,7 +39,8 @@ def load_conversations(args: ShardedDistillArgs) -> list[dict]:
     if args.task is not None:
         from ..data.distill import distill_prompt_rows, row_key
 
-        rows = distill_prompt_rows(args.task, args.sources, args.questions_per_database, args.seed)
+        rows = distill_prompt_rows(args.task, args.sources, args.questions_per_database, args.seed,
+                                   questions_from=args.questions_from)
         conversations = [{"source": r["source"], "id": row_key(r, 0), "row": {k: v for k, v in r.items() if k != "schema"}}
                          for r in rows]
     else:
@@ -87,7 +88,7 @@ def sharded_args(cli) -> ShardedDistillArgs:
                               max_new_tokens=cli.max_new_tokens, max_turns=cli.max_turns,
                               max_prompt_tokens=cli.max_prompt_tokens, shard_size=cli.shard_size, dtype=dtype,
                               limit=cli.limit, max_tokens_total=cli.max_tokens_total, max_num_seqs=cli.max_num_seqs,
-                              threads=cli.threads)
+                              threads=cli.threads, questions_from=getattr(cli, "questions_from", None))
 
 
 def stop_token_ids(tokenizer, model_folder: str | Path | None = None) -> list[int]:
