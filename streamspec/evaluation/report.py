@@ -96,13 +96,16 @@ USER_COLUMNS = (("tokens_per_second", "tokens/s"), ("speedup", "speedup"), ("crr
 
 def user_table(summary: dict) -> str:
     """One row per method with tokens/s, speedup, CRR and whether its outputs are identical to one
-    token a pass (the baseline and prompt lookup: transformers' own, not compared: "–")."""
+    token a pass, or, where that row was not run, to the baseline's (`identical_to_baseline`; the
+    baseline itself: "–")."""
     lines = ["| method | " + " | ".join(label for _, label in USER_COLUMNS) + " |", "|" + "---|" * (len(USER_COLUMNS) + 1)]
     for name, entry in summary.items():
         label = name + (f" {entry['tree_top_k']}" if "tree_top_k" in entry else "")
         cells = []
         for key, _ in USER_COLUMNS:
             value = entry.get(key)
+            if key == "identical_to_autoregressive" and value is None:
+                value = entry.get("identical_to_baseline")
             if value is None:
                 cells.append("–")
             elif isinstance(value, bool):

@@ -159,6 +159,12 @@ def test_benchmark_skips_the_rows_asked_and_still_checks_exactness(tiny_dir, tmp
     assert summary["tree_lookup"]["tree_top_k"] == [2, 1]
     assert all(summary[name]["identical_to_baseline"] is True for name in ("chain", "tree_lookup"))
     assert json.loads((tmp_path / "report" / "benchmark.json").read_text())  # the report is written without the row
+    from streamspec.evaluation.report import user_table
+
+    # what a user reads: without the one-token-a-pass row, exactness is the baseline's
+    rows = {line.split(" | ")[0].lstrip("| ").split(" ")[0]: line.rstrip(" |").rsplit(" | ", 1)[1]
+            for line in user_table(summary).splitlines()[2:]}
+    assert rows == {"baseline": "–", "prompt_lookup": "yes", "chain": "yes", "tree_lookup": "yes"}
     kept = run_benchmark(str(tmp_path / "ckpt"), task="sql", limit=1, tree_top_k=1, thresholds=(), lookup=None,
                          tree_budget=None, max_new_tokens=4, skip=("streamed_ar",))
     assert set(kept) == {"baseline", "baseline_default_kernels", "prompt_lookup", "chain", "tree"} - (
