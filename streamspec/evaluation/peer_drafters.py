@@ -69,11 +69,11 @@ def train_peer_drafter(model: str, examples: list[dict], out: str | Path, method
         raise ValueError("no rows to train on")
     out = Path(out)
     work = Path(work) if work is not None else out.with_name(out.name + "-work")
-    work.mkdir(parents=True, exist_ok=True)
     if out.exists():
         if any(out.iterdir()) and not (out / "training.json").is_file():
             raise FileExistsError(f"{out} exists and holds no trained drafter: choose another folder")
         shutil.rmtree(out)
+    work.mkdir(parents=True, exist_ok=True)
     rows = work / "rows.jsonl"
     with rows.open("w", encoding="utf-8") as f:
         for example in examples:

@@ -95,7 +95,7 @@ def check_drafter_folder(drafter: str, folder: str | None) -> str:
     with open(path, encoding="utf-8") as f:
         kind = json.load(f).get("speculators_model_type")
     if kind != drafter:
-        raise ValueError(f"drafter {drafter!r}: {folder} holds a {kind or 'non-speculators'} drafter, not {drafter}")
+        raise ValueError(f"drafter {drafter!r}: {folder} holds a drafter of type {kind!r}, not {drafter!r}")
     return folder
 
 

@@ -122,7 +122,7 @@ def test_trained_drafter_configs(tmp_path):
         speculative_config({"drafter": "eagle3"})
     with pytest.raises(FileNotFoundError, match="no config.json.*train_peer_drafters.py --method eagle3"):
         speculative_config({"drafter": "eagle3", "folder": str(tmp_path / "missing")})
-    with pytest.raises(ValueError, match="holds a peagle drafter, not eagle3"):
+    with pytest.raises(ValueError, match="holds a drafter of type 'peagle', not 'eagle3'"):
         speculative_config({"drafter": "eagle3", "folder": peagle})
     assert "vllm_eagle3" in PEERS and "vllm_peagle" in PEERS and "vllm_eagle3" not in peers_arg("all")
 
