@@ -32,7 +32,12 @@ install: $(STAMP)
 # the suffix-tree extension: the package's CUDA custom ops build only with
 # ARCTIC_INFERENCE_PRECOMPILED_OPS on; Release, two jobs: about 25 s on two cores (pip keeps the
 # wheel in its cache for the next build).
-$(VLLM_STAMP): requirements-vllm.txt requirements-vllm-suffix.txt setup.py
+# The vllm_eagle3 / vllm_peagle rows' drafters are trained with vLLM's own training library,
+# speculators 0.9.0 (streamspec.vllm.peer_training), which pins the transformers vLLM 0.32 brings:
+# it and hs-connectors go in with --no-deps (they declare torchvision and torchaudio), after the one
+# package they import that vLLM lacks (requirements-vllm-peers.txt: datasets). About 9 s with pip's
+# cache warm.
+$(VLLM_STAMP): requirements-vllm.txt requirements-vllm-suffix.txt requirements-vllm-peers.txt setup.py
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
@@ -40,6 +45,8 @@ $(VLLM_STAMP): requirements-vllm.txt requirements-vllm-suffix.txt setup.py
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm-suffix.txt
 	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" ARCTIC_INFERENCE_PRECOMPILED_OPS=0 DEBUG=0 CMAKE_BUILD_PARALLEL_LEVEL=2 \
 		$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm-peers.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 

@@ -257,8 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "memory_floor (what a pass must read over the measured bandwidth); vllm, vllm_ngram, "
                          "vllm_suffix and vllm_streams (vLLM plain, with its n-gram drafter, with its suffix decoding, "
                          "with these streams as its drafter; one request at a time and 8 at once, in `make vllm`'s "
-                         "environment); auto: the first four "
-                         "(llama.cpp ones when a GGUF is known); all: every one")
+                         "environment); vllm_eagle3 and vllm_peagle (vLLM with an EAGLE-3 / P-EAGLE drafter trained "
+                         "by speculators: give its folder with --eagle3 / --peagle); auto: the first four "
+                         "(llama.cpp ones when a GGUF is known); all: every one but vllm_eagle3 and vllm_peagle")
+    ev.add_argument("--eagle3", default=None, metavar="FOLDER",
+                    help="the vllm_eagle3 row's drafter: an EAGLE-3 drafter for the checkpoint's base trained by "
+                         "speculators (python eval/train_peer_drafters.py --method eagle3)")
+    ev.add_argument("--peagle", default=None, metavar="FOLDER",
+                    help="the vllm_peagle row's drafter: a P-EAGLE drafter trained the same way (--method peagle)")
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     ev.add_argument("--skip", nargs="+", default=[], choices=list(SKIPPABLE_ROWS), metavar="ROW",
@@ -401,7 +407,7 @@ def _run(args) -> int:
             max_new_tokens=args.max_new_tokens, medusa=args.medusa, schema_style=args.schema_style,
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
             decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS), peers=args.peers, gguf=args.gguf,
-            skip=tuple(args.skip),
+            skip=tuple(args.skip), drafters={"eagle3": args.eagle3, "peagle": args.peagle},
         )
     elif args.command == "serve":
         from .serving import serve

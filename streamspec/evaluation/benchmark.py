@@ -54,7 +54,7 @@ from .methods import (  # noqa: F401 (part of this module's API)
     streaming_method,
     with_default_kernels,
 )
-from .vllm_peers import VLLM_PEERS, vllm_base, vllm_rows
+from .vllm_peers import VLLM_PEERS, check_trained_drafters, vllm_base, vllm_rows
 from .peers import peer_methods, peer_summary
 from .report import DRAFT_METHODS, markdown_table, quality, report, save_report  # noqa: F401
 from .tuning import (  # noqa: F401
@@ -122,6 +122,7 @@ def run_benchmark(
     peers: tuple[str, ...] | str = (),
     gguf: str | None = None,
     skip: tuple[str, ...] = (),
+    drafters: dict[str, str | None] | None = None,
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -156,10 +157,15 @@ def run_benchmark(
             for token against the baseline (``identical_to_baseline``); without ``tree``, the
             tree shape `tree_top_k` is still the one the ``tree_pruned`` and ``tree_lookup`` rows
             grow (and the sweep measures its point itself).
+        drafters: the folders of the trained drafters the ``vllm_eagle3`` / ``vllm_peagle`` rows
+            decode with (``{"eagle3": FOLDER, "peagle": FOLDER}``; `streamspec.evaluation.peer_drafters`);
+            a row asked for without its folder is refused before anything runs.
     """
     from ..patch.checkpoint import read_checkpoint_meta, recorded_base
     from ..loading import load_for_inference
 
+    if not isinstance(peers, str):
+        check_trained_drafters(peers, drafters)
     bad_skip = [name for name in skip if name not in SKIPPABLE_ROWS]
     if isinstance(skip, str) or bad_skip:
         raise ValueError(f"skip takes rows of {list(SKIPPABLE_ROWS)}, got {skip!r}")
@@ -265,7 +271,7 @@ def run_benchmark(
         summary.update(vllm_rows(peers, checkpoint, vllm_base(recorded_base(checkpoint, meta)),
                                  [prompt_ids(tokenizer, row)[0].tolist() for row in rows], max_new_tokens,
                                  results["baseline"].token_ids, summary["baseline"]["tokens_per_second"],
-                                 dtype=str(loaded.dtype).removeprefix("torch.")))
+                                 dtype=str(loaded.dtype).removeprefix("torch."), drafters=drafters))
     shape = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     if "tree" in summary:
         summary["tree"]["tree_top_k"] = shape

@@ -27,17 +27,21 @@ import torch
 # in process, run by --peers auto
 AUTO_PEERS = ("transformers_compiled", "llama_cpp", "llama_cpp_lookup", "memory_floor")
 # vLLM in its own environment (`streamspec.evaluation.vllm_peers`): named, or --peers all
-PEERS = AUTO_PEERS + ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams")
+PEERS = AUTO_PEERS + ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams", "vllm_eagle3", "vllm_peagle")
+# vLLM with a drafter trained for the model (`streamspec.evaluation.peer_drafters`): named only,
+# with the drafter's folder (streamspec eval --eagle3 / --peagle FOLDER); not in --peers all
+TRAINED_PEERS = ("vllm_eagle3", "vllm_peagle")
 CAPACITY_STEP = 256  # transformers_compiled's static cache holds a multiple of this many tokens
 
 
 def peers_arg(text: str) -> tuple[str, ...]:
     """``--peers``: ``auto`` (the in-process peers, `AUTO_PEERS`; the llama.cpp rows when a GGUF is
-    known), ``all`` (with vLLM's rows too), ``none``, or a comma-separated list of `PEERS`."""
+    known), ``all`` (with vLLM's rows too, but for those of trained drafters, `TRAINED_PEERS`,
+    which are named with their folders), ``none``, or a comma-separated list of `PEERS`."""
     if text == "auto":
         return AUTO_PEERS
     if text == "all":
-        return PEERS
+        return tuple(p for p in PEERS if p not in TRAINED_PEERS)
     if text in ("none", ""):
         return ()
     names = tuple(part.strip() for part in text.split(",") if part.strip())

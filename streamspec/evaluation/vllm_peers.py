@@ -1,6 +1,9 @@
 """vLLM as the benchmark's peer: plain, with its n-gram drafter, with its suffix decoding (suffix
-trees of the prompt and the output so far; arctic-inference's, which `make vllm` builds), and with
-the streams as its drafter (`streamspec.vllm`), one request at a time and `CONCURRENT` at once.
+trees of the prompt and the output so far; arctic-inference's, which `make vllm` builds), with
+the streams as its drafter (`streamspec.vllm`), and with the EAGLE-3 / P-EAGLE drafters vLLM's own
+training library trained for the model (``vllm_eagle3`` / ``vllm_peagle``: their folders come
+from `streamspec.evaluation.peer_drafters`, ``eval/train_peer_drafters.py``), one request at a
+time and `CONCURRENT` at once.
 
 The rows run in vLLM's own environment through a subprocess (`streamspec.vllm.client`), each on
 a fresh engine, on the same prompts (token ids) and with the same number of new tokens as the
@@ -14,9 +17,12 @@ from __future__ import annotations
 
 import tempfile
 
-VLLM_PEERS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams")
+VLLM_PEERS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams", "vllm_eagle3", "vllm_peagle")
 CONCURRENT = 8
-DRAFTERS = {"vllm": "none", "vllm_ngram": "ngram", "vllm_suffix": "suffix", "vllm_streams": "streams"}
+DRAFTERS = {"vllm": "none", "vllm_ngram": "ngram", "vllm_suffix": "suffix", "vllm_streams": "streams",
+            "vllm_eagle3": "eagle3", "vllm_peagle": "peagle"}
+# the rows whose drafter is a trained folder the benchmark is given (--eagle3 / --peagle)
+TRAINED_PEERS = {"vllm_eagle3": "eagle3", "vllm_peagle": "peagle"}
 NGRAM_TOKENS = 4  # vLLM's n-gram drafter: drafts a pass (its prompt_lookup_max as well)
 # vLLM's suffix decoding runs with `streamspec.vllm.run.SUFFIX_DEFAULTS` (at most 8 drafts a pass, as
 # far as its match supports; no global tree of earlier responses)
@@ -30,18 +36,39 @@ def vllm_base(name_or_path: str) -> str:
     return builtin_model_path(name_or_path)
 
 
+def check_trained_drafters(peers, drafters: dict[str, str] | None) -> dict[str, str]:
+    """The drafter folder of each trained peer asked for (``vllm_eagle3`` → ``drafters["eagle3"]``):
+    raises, naming how to train one, when a folder is not given or holds no such drafter."""
+    from ..vllm.run import check_drafter_folder
+
+    drafters = drafters or {}
+    folders = {}
+    for peer, drafter in TRAINED_PEERS.items():
+        if peer in (peers or ()):
+            if not drafters.get(drafter):
+                raise ValueError(f"{peer} decodes with a trained {drafter} drafter: give its folder (streamspec eval "
+                                 f"--{drafter} FOLDER; train one with `python eval/train_peer_drafters.py --method "
+                                 f"{drafter} --distilled DIR`)")
+            folders[peer] = check_drafter_folder(drafter, str(drafters[drafter]))
+    return folders
+
+
 def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_new_tokens: int,
               baseline_outputs: list[list[int]], baseline_tps: float, dtype: str = "float32",
-              concurrency: tuple[int, ...] = (1, CONCURRENT)) -> dict[str, dict]:
+              concurrency: tuple[int, ...] = (1, CONCURRENT),
+              drafters: dict[str, str] | None = None) -> dict[str, dict]:
     """The vLLM rows the benchmark asked for (`peers` ∩ `VLLM_PEERS`), named ``PEER`` (one at a
     time) and ``PEER@N`` (N at once). Plain vLLM always runs when another vLLM row does (the
-    others are compared with it). Returns {} with a note when vLLM's environment is missing; raises
-    when ``vllm_suffix`` is asked for and that environment lacks arctic-inference."""
+    others are compared with it). `drafters`: the trained drafters' folders (``{"eagle3": FOLDER,
+    "peagle": FOLDER}``) of the ``vllm_eagle3`` / ``vllm_peagle`` rows. Returns {} with a note when
+    vLLM's environment is missing; raises when ``vllm_suffix`` is asked for and that environment
+    lacks arctic-inference, or a trained row's folder is missing."""
     from ..vllm.client import check_suffix_decoding, run_vllm, vllm_python
 
     wanted = [p for p in VLLM_PEERS if p in peers]
     if not wanted:
         return {}
+    folders = check_trained_drafters(wanted, drafters)  # before any engine starts
     try:
         vllm_python()
     except FileNotFoundError as err:
@@ -59,6 +86,8 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
                 from ..vllm.export import export_for_vllm
 
                 run["folder"] = str(export_for_vllm(checkpoint, tmp))
+            if peer in folders:
+                run["folder"] = folders[peer]
             if peer == "vllm_ngram":
                 run.update(num_speculative_tokens=NGRAM_TOKENS, prompt_lookup_max=NGRAM_TOKENS)
             runs += [{**run, "name": _name(peer, n), "concurrency": n} for n in concurrency]
@@ -112,6 +141,6 @@ def result_table(summary: dict, **facts) -> dict:
                      "mean_acceptance_length": entry["mean_acceptance_length"], "identical": entry["identical_to_vllm"]})
     if not rows:
         raise ValueError("the summary has no vLLM rows: run streamspec eval with "
-                         "--peers vllm,vllm_ngram,vllm_suffix,vllm_streams")
+                         "--peers vllm,vllm_ngram,vllm_suffix,vllm_streams[,vllm_eagle3 --eagle3 FOLDER]")
     rows.sort(key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["method"])))
     return {**facts, "columns": COLUMNS, "rows": rows}

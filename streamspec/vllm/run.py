@@ -7,11 +7,13 @@ tests call it through a subprocess, so the rest of streamspec never imports vLLM
 
 SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
 "prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "suffix" |
-"streams", "folder": drafter folder, "num_speculative_tokens": K, "concurrency": 1 | n, "model":
-folder (default: the spec's)}, ...]}``; a suffix run may also set vLLM's ``suffix_decoding_*``
-options (`SUFFIX_DEFAULTS`). Consecutive runs of the same model and drafter share one engine
-(started with room for the largest concurrency among them; an engine's start costs more than most
-runs); a run of another model or drafter gets a fresh one. OUT holds, per run, each prompt's
+"streams" | "eagle3" | "peagle", "folder": drafter folder, "num_speculative_tokens": K,
+"concurrency": 1 | n, "model": folder (default: the spec's)}, ...]}``; a suffix run may also set
+vLLM's ``suffix_decoding_*`` options (`SUFFIX_DEFAULTS`); an eagle3 / peagle run's folder is a
+drafter speculators trained (`PEER_DRAFTERS`; K defaults to the drafts it was trained for).
+Consecutive runs of the same model and drafter share one engine (started with room for the
+largest concurrency among them; an engine's start costs more than most runs); a run of another
+model or drafter gets a fresh one. OUT holds, per run, each prompt's
 output token ids, the wall time of the decode, tokens/s, and vLLM's own speculative counters (read
 before and after the run, so runs on a shared engine count only their own).
 """
@@ -47,6 +49,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SUFFIX_DEFAULTS = {"num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
                    "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 1.0,
                    "suffix_decoding_min_token_prob": 0.1}
+# Peer drafters trained by vLLM's training library, speculators (`streamspec.vllm.peer_training`):
+# EAGLE-3 (one autoregressive draft pass per drafted token) and P-EAGLE (all drafts from one pass:
+# vLLM's parallel drafting). Both are vLLM's eagle3 method on a speculators-format folder.
+PEER_DRAFTERS = ("eagle3", "peagle")
 
 
 def speculative_config(run: dict) -> dict | None:
@@ -67,7 +73,36 @@ def speculative_config(run: dict) -> dict | None:
             with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
                 config["num_speculative_tokens"] = json.load(f)["streamspec"]["num_speculative_tokens"]
         return config
-    raise ValueError(f"drafter must be none, ngram, suffix or streams, got {drafter!r}")
+    if drafter in PEER_DRAFTERS:
+        folder = check_drafter_folder(drafter, run.get("folder"))
+        config = {"method": "eagle3", "model": folder}
+        if drafter == "peagle":
+            config["parallel_drafting"] = True
+        config["num_speculative_tokens"] = run.get("num_speculative_tokens") or trained_speculative_tokens(folder)
+        return config
+    raise ValueError(f"drafter must be none, ngram, suffix, streams, eagle3 or peagle, got {drafter!r}")
+
+
+def check_drafter_folder(drafter: str, folder: str | None) -> str:
+    """`folder` when it holds a trained EAGLE-3 / P-EAGLE drafter (speculators' format, what
+    `streamspec.vllm.peer_training` writes); raises naming the way to train one otherwise."""
+    how = f"train one with `python eval/train_peer_drafters.py --method {drafter}` and pass its folder"
+    if not folder:
+        raise ValueError(f"drafter {drafter!r} needs the folder of a trained drafter: {how}")
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"drafter {drafter!r}: {folder} holds no drafter (no config.json): {how}")
+    with open(path, encoding="utf-8") as f:
+        kind = json.load(f).get("speculators_model_type")
+    if kind != drafter:
+        raise ValueError(f"drafter {drafter!r}: {folder} holds a drafter of type {kind!r}, not {drafter!r}")
+    return folder
+
+
+def trained_speculative_tokens(folder: str) -> int:
+    """The drafts a step the drafter was trained for (speculators' proposal method: its TTT steps)."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        return int(json.load(f)["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
 
 
 def require_suffix_decoding() -> None:

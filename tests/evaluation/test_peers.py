@@ -16,6 +16,7 @@ from streamspec import StreamConfig, add_streams
 from streamspec.evaluation.peers import (
     AUTO_PEERS,
     PEERS,
+    TRAINED_PEERS,
     add_memory_floor,
     floor_ms,
     kv_bytes_per_token,
@@ -27,7 +28,11 @@ from streamspec.evaluation.peers import (
 
 
 def test_peer_names_parse_and_bad_ones_are_refused():
-    assert peers_arg("auto") == AUTO_PEERS and peers_arg("all") == PEERS and peers_arg("none") == ()
+    assert peers_arg("auto") == AUTO_PEERS and peers_arg("none") == ()
+    # all: every peer but those decoding with a trained drafter, which are named with its folder
+    assert peers_arg("all") == tuple(p for p in PEERS if p not in TRAINED_PEERS)
+    assert set(TRAINED_PEERS) == {"vllm_eagle3", "vllm_peagle"} <= set(PEERS)
+    assert peers_arg("vllm,vllm_eagle3") == ("vllm", "vllm_eagle3")
     assert not any(p.startswith("vllm") for p in AUTO_PEERS)  # vLLM rows start engines: asked for by name
     assert peers_arg("llama_cpp, memory_floor") == ("llama_cpp", "memory_floor")
     assert peers_arg("vllm,vllm_streams") == ("vllm", "vllm_streams")

