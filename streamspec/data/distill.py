@@ -260,7 +260,12 @@ def distill_prompt_rows(task: str, sources: list[str], questions_per_database: i
             if questions_from is None:
                 raise ValueError("the self_instruct source needs the model's questions: --questions-from, a set "
                                  "distilled with --sources schema_questions")
-            part = self_instruct_rows(questions_from, style or "spider", seed)
+            if not Path(questions_from).exists():
+                raise FileNotFoundError(f"--questions-from {questions_from}: no such set; distill the model's questions "
+                                        "first (`streamspec distill --engine vllm --task sql --sources schema_questions "
+                                        "--out FOLDER`)")
+            part = self_instruct_rows(read_distilled(questions_from), style or "spider", seed,
+                                      origin=str(questions_from))
         elif base == "unused_databases":
             part = unused_spider_rows(questions_per_database, seed, style or "spider")
         elif style is not None:

@@ -18,7 +18,6 @@ are never asked about (only ``unused_databases`` schemas are).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 QUESTIONS_PER_TABLE = 5
 QUESTION_REQUEST = ("Here is the schema of a SQLite database:\n\n{schema}\n\nWrite {count} different questions that a "
@@ -82,24 +81,19 @@ _REQUESTS = {"list", "show", "find", "give", "return", "count", "display", "get"
              "retrieve", "report", "identify", "determine"}
 
 
-def self_instruct_rows(questions_from: str | Path, style: str = "spider", seed: int = 0,
-                       limit: int = QUESTIONS_PER_TABLE) -> list[dict]:
+def self_instruct_rows(replies: list[dict], style: str = "spider", seed: int = 0,
+                       limit: int = QUESTIONS_PER_TABLE, origin: str = "the set") -> list[dict]:
     """SQL prompts over the model's own questions: every question `parse_questions` finds in the
-    replies of a ``schema_questions`` set (a shard folder or JSONL), over its schema in `style`;
-    ``{"db_id", "question", "prompt"}``, in the set's order."""
-    from .distill import read_distilled
+    replies of a ``schema_questions`` set (its rows, `origin` naming it in errors), over its
+    schema in `style`; ``{"db_id", "question", "prompt"}``, in the set's order."""
     from .schema_styles import render_schema
     from .spider import sql_prompt
 
-    path = Path(questions_from)
-    if not path.exists():
-        raise FileNotFoundError(f"--questions-from {path}: no such set; distill the model's questions first "
-                                "(`streamspec distill --engine vllm --task sql --sources schema_questions --out FOLDER`)")
     schemas = unused_schemas()
     rows, seen = [], set()
-    for reply in read_distilled(path):
+    for reply in replies:
         if reply.get("source") != "schema_questions":
-            raise ValueError(f"{path} holds {reply.get('source')!r} rows: --questions-from takes a set of "
+            raise ValueError(f"{origin} holds {reply.get('source')!r} rows: --questions-from takes a set of "
                              "--sources schema_questions")
         schema = schemas[reply["db_id"]]
         text = render_schema(schema, style, seed)

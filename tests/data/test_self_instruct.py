@@ -70,7 +70,8 @@ def test_sql_prompts_over_the_models_questions_in_every_style(questions_set):
     styled = distill_prompt_rows("sql", ["self_instruct@compact"], questions_from=path)
     assert [(r["db_id"], r["question"]) for r in styled] == expected
     assert render_schema(unused_schemas()[rows[0]["db_id"]], "compact") in styled[0]["prompt"]
-    assert self_instruct_rows(path) == [{k: v for k, v in r.items() if k != "source"} for r in rows]
+    replies = [json.loads(line) for line in path.read_text().splitlines()]
+    assert self_instruct_rows(replies) == [{k: v for k, v in r.items() if k != "source"} for r in rows]
 
 
 def test_what_self_instruct_cannot_read_is_refused(questions_set, tmp_path):
@@ -81,7 +82,8 @@ def test_what_self_instruct_cannot_read_is_refused(questions_set, tmp_path):
         distill_prompt_rows("sql", ["self_instruct"], questions_from=tmp_path / "missing")
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"source": "train", "db_id": "x", "completion": REPLY}) + "\n")
-    with pytest.raises(ValueError, match="--sources schema_questions"):
-        self_instruct_rows(other)
+    with pytest.raises(ValueError, match="other.jsonl holds 'train' rows: --questions-from takes a set of --sources "
+                                         "schema_questions"):
+        distill_prompt_rows("sql", ["self_instruct"], questions_from=other)
     with pytest.raises(ValueError, match="SOURCE@STYLE"):  # the requests are not SQL prompts
         distill_prompt_rows("sql", ["schema_questions@untyped"])
