@@ -85,6 +85,24 @@ def make_model(arch: str, seed: int = 0, attn_implementation: str = "sdpa"):
     return model.float().eval()
 
 
+def packed_streamed_model(arch: str = "llama", mode: str = "lossless", **config):
+    """A tiny streamed model (3 streams, 2 stream layers) whose streams agree with the main stream
+    now and then (adapters given a say), its linear layers packed and on the decoding attention."""
+    from streamspec import StreamConfig, add_streams
+    from streamspec.kernels import pack_linear_layers, use_decode_attention
+
+    torch.manual_seed(0)
+    model = add_streams(make_model(arch), StreamConfig(num_streams=3, stream_layers=2, mode=mode, **config)).eval()
+    with torch.no_grad():
+        model.streams.stream_embeddings.mul_(0.1)
+        for p in model.streams.parameters():
+            if p.dim() == 2 and not p.any():  # adapters' zero-initialised halves
+                p.normal_(0.0, 0.05)
+    pack_linear_layers(model)
+    use_decode_attention(model)
+    return model
+
+
 def reference_logits(model, input_ids, attention_mask=None):
     """Logits of the unpatched HF model with the position ids streamspec uses."""
     if attention_mask is None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_model, random_ids
+from conftest import packed_streamed_model, random_ids
 from streamspec import StreamConfig, add_streams, native
 from streamspec.decoding import generate, generate_autoregressive
-from streamspec.kernels import PackedLinear, pack_linear_layers, packed_dtypes, use_decode_attention
+from streamspec.kernels import PackedLinear, packed_dtypes
 from streamspec.loading import load_for_inference
 
 pytestmark = pytest.mark.skipif(not native.cpu_has_avx512_bf16() or torch.bfloat16 not in packed_dtypes(),
@@ -20,19 +20,6 @@ pytestmark = pytest.mark.skipif(not native.cpu_has_avx512_bf16() or torch.bfloat
 
 # with stream adapters (stream modules in the MSA layers, which pass the row split on) and without
 CONFIGS = {"adapters": dict(stream_adapter_rank=4), "plain": {}}
-
-
-def _streamed(arch: str = "llama", mode: str = "lossless", **config):
-    torch.manual_seed(0)
-    model = add_streams(make_model(arch), StreamConfig(num_streams=3, stream_layers=2, mode=mode, **config)).eval()
-    with torch.no_grad():  # streams that agree with the main stream now and then
-        model.streams.stream_embeddings.mul_(0.1)
-        for p in model.streams.parameters():
-            if p.dim() == 2 and not p.any():  # adapters' zero-initialised halves: give them a say
-                p.normal_(0.0, 0.05)
-    pack_linear_layers(model)
-    use_decode_attention(model)
-    return model
 
 
 def _pass(model, ids):
@@ -46,7 +33,7 @@ def _pass(model, ids):
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_main_rows_keep_their_bits_and_stream_rows_are_bf16_close(kind):
-    model = _streamed(**CONFIGS[kind])
+    model = packed_streamed_model(**CONFIGS[kind])
     ids = random_ids(1, 9, seed=1)
     main, streams = _pass(model, ids)
     keys = set(model.state_dict())
@@ -62,7 +49,7 @@ def test_main_rows_keep_their_bits_and_stream_rows_are_bf16_close(kind):
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_bf16_stream_rows_decode_the_models_own_tokens(kind):
-    model = _streamed(**CONFIGS[kind])
+    model = packed_streamed_model(**CONFIGS[kind])
     ids = random_ids(1, 12, seed=3)
     reference = generate_autoregressive(model, ids, 40).tolist()
     assert model.use_bf16_stream_rows()
@@ -76,7 +63,7 @@ def test_bf16_stream_rows_decode_the_models_own_tokens(kind):
 def test_a_compiled_pass_tells_a_split_layer_from_a_plain_one():
     """The split is read through an attribute compiled graphs guard on: the same function over a
     model with the bf16 rows and one without gives each its own outputs, never the other's graph."""
-    with_rows, without = _streamed(), _streamed()
+    with_rows, without = packed_streamed_model(), packed_streamed_model()
     assert with_rows.use_bf16_stream_rows()
     ids = random_ids(1, 9, seed=4)
     step = torch.compile(_pass, backend="aot_eager", fullgraph=True, dynamic=False)
@@ -88,7 +75,7 @@ def test_a_compiled_pass_tells_a_split_layer_from_a_plain_one():
 
 
 def test_the_copies_follow_the_weights_and_apply_only_to_float32():
-    model = _streamed()
+    model = packed_streamed_model()
     assert model.use_bf16_stream_rows()
     ids = random_ids(1, 9, seed=2)
     linear = next(m for m in model.layers[-1].modules() if type(m) is PackedLinear)
@@ -99,11 +86,11 @@ def test_the_copies_follow_the_weights_and_apply_only_to_float32():
         exact = _pass(model, ids)[1]
     assert not torch.equal(low, exact)
     torch.testing.assert_close(low, exact, rtol=0.05, atol=0.05)
-    half = _streamed().to(torch.bfloat16)
+    half = packed_streamed_model().to(torch.bfloat16)
     assert not half.use_bf16_stream_rows()  # a bf16 model's stream rows are bf16 already
-    assert not _streamed("gpt2").use_bf16_stream_rows()  # GPT-2's Conv1D layers are not packed
-    assert not _streamed(mode="shared").use_bf16_stream_rows()  # its main stream sees the streams
-    cast = _streamed()
+    assert not packed_streamed_model("gpt2").use_bf16_stream_rows()  # GPT-2's Conv1D layers are not packed
+    assert not packed_streamed_model(mode="shared").use_bf16_stream_rows()  # its main stream sees the streams
+    cast = packed_streamed_model()
     assert cast.use_bf16_stream_rows()
     cast.to(torch.bfloat16)  # the weights cast after the split was made: every row in bf16, no copy used
     main, streams = _pass(cast, ids.clone())
@@ -130,7 +117,7 @@ def test_load_for_inference_runs_stream_rows_in_bf16_for_float32_on_the_cpu(tiny
 def test_turning_the_bf16_copies_on_announces_a_graph_of_their_own(capfd):
     """A compiled loop's graph includes the bf16 copies a float32 model drafts through: turning
     them on traces a new graph, announced as such, and the tokens stay the model's own."""
-    model = _streamed()
+    model = packed_streamed_model()
     ids = random_ids(1, 12, seed=5)
     reference = generate_autoregressive(model, ids, 16).tolist()
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_model, random_ids, within_bf16_rounding, within_float32_rounding
+from conftest import packed_streamed_model, random_ids, within_bf16_rounding, within_float32_rounding
 from streamspec import StreamConfig, add_streams, kernels, native
 from streamspec.decoding import generate, generate_autoregressive
-from streamspec.kernels import PackedLinear, cpu_kernels_available, pack_linear_layers, use_decode_attention
+from streamspec.kernels import PackedLinear, cpu_kernels_available, pack_linear_layers
 from streamspec.loading import load_for_inference
 
 TREES = (dict(tree_top_k=(2, 1, 1)), dict(tree_top_k=1), dict(tree_top_k=3, tree_budget=7))
@@ -39,19 +39,6 @@ def avx2_view():
         yield
 
 
-def _streamed(arch: str = "llama", **config):
-    torch.manual_seed(0)
-    model = add_streams(make_model(arch), StreamConfig(num_streams=3, stream_layers=2, **config)).eval()
-    with torch.no_grad():  # streams that agree with the main stream now and then
-        model.streams.stream_embeddings.mul_(0.1)
-        for p in model.streams.parameters():
-            if p.dim() == 2 and not p.any():  # adapters' zero-initialised halves: give them a say
-                p.normal_(0.0, 0.05)
-    pack_linear_layers(model)
-    use_decode_attention(model)
-    return model
-
-
 @pytest.mark.parametrize("n, k", [(96, 48), (13, 45), (7, 1), (1536, 576)])
 @pytest.mark.parametrize("rows", [1, 3, 7, 25, 80])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,7 +57,7 @@ def test_layers_without_the_kernel_are_the_product_up_to_rounding(avx2_view, n, 
 
 
 def test_the_bf16_copies_are_refused_and_change_nothing(avx2_view, tiny_dir, tmp_path):
-    model = _streamed(stream_adapter_rank=4)
+    model = packed_streamed_model(stream_adapter_rank=4)
     hidden = torch.randn(3, model.config.hidden_size)
     ids = random_ids(1, 12, seed=3)
     before = generate(model, ids, 24, tree_top_k=(2, 1, 1))
@@ -85,7 +72,7 @@ def test_the_bf16_copies_are_refused_and_change_nothing(avx2_view, tiny_dir, tmp
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
-    add_streams(base, StreamConfig(stream_layers=2)).save_pretrained(
+    add_streams(base, StreamConfig(stream_layers=2, mode="lossless")).save_pretrained(
         tmp_path / "ckpt", tokenizer=load_for_inference(tiny_dir, cpu_kernels=False).tokenizer)
     loaded = load_for_inference(tmp_path / "ckpt", dtype="float32").model
     assert "_bf16_draft_head" not in loaded.__dict__
@@ -100,14 +87,14 @@ def test_decoding_without_the_kernels_gives_the_models_own_tokens(arch, config):
     this CPU runs the kernels and the bf16 copies, they decode the same tokens."""
     ids = random_ids(1, 12, seed=3)
     with avx2_cpu():
-        model = _streamed(arch, **config)
+        model = packed_streamed_model(arch, **config)
         reference = generate_autoregressive(model, ids, 40).tolist()
         for options in TREES:
             assert generate(model, ids, 40, **options).tokens.tolist() == reference, options
         if arch == "llama" and config:
             compiled = generate(model, ids, 40, tree_top_k=(2, 1, 1), compile="aot_eager")
             assert compiled.tokens.tolist() == reference
-    fast = _streamed(arch, **config)  # this CPU as it is
+    fast = packed_streamed_model(arch, **config)  # this CPU as it is
     fast.use_bf16_draft_head()
     fast.use_bf16_stream_rows()
     assert generate_autoregressive(fast, ids, 40).tolist() == reference

@@ -62,14 +62,13 @@ def test_missing_suffix_decoding_names_the_fix(tmp_path):
     assert SUFFIX_DECODING_MISSING in caught.value.output
 
 
-def test_the_vllm_suffix_rows(monkeypatch):
-    """`vllm_rows` with ``vllm_suffix``: plain vLLM beside it, each at both concurrencies, the suffix
-    runs with the runner's defaults; a vLLM environment without arctic-inference is refused
-    before anything runs."""
+@pytest.fixture
+def fake_vllm(monkeypatch) -> list[dict]:
+    """vLLM's runner replaced by one that answers every run with two tokens (drafters accept 1.5 a
+    step) and records the specs it was given (the returned list)."""
     import streamspec.vllm.client as client
-    from streamspec.evaluation.vllm_peers import vllm_rows
 
-    specs = []
+    specs: list[dict] = []
 
     def fake_run(spec):
         specs.append(spec)
@@ -78,8 +77,19 @@ def test_the_vllm_suffix_rows(monkeypatch):
                           "mean_acceptance_length": None if r["drafter"] == "none" else 1.5} for r in spec["runs"]]}
 
     monkeypatch.setattr(client, "vllm_python", lambda python=None: sys.executable)
-    monkeypatch.setattr(client, "check_suffix_decoding", lambda python=None, env=None: None)
     monkeypatch.setattr(client, "run_vllm", fake_run)
+    return specs
+
+
+def test_the_vllm_suffix_rows(monkeypatch, fake_vllm):
+    """`vllm_rows` with ``vllm_suffix``: plain vLLM beside it, each at both concurrencies, the suffix
+    runs with the runner's defaults; a vLLM environment without arctic-inference is refused
+    before anything runs."""
+    import streamspec.vllm.client as client
+    from streamspec.evaluation.vllm_peers import vllm_rows
+
+    specs = fake_vllm
+    monkeypatch.setattr(client, "check_suffix_decoding", lambda python=None, env=None: None)
     rows = vllm_rows(("vllm_suffix",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0, concurrency=(1, 4))
     assert [(r["name"], r["drafter"], r["concurrency"]) for r in specs[0]["runs"]] == [
         ("vllm", "none", 1), ("vllm@4", "none", 4), ("vllm_suffix", "suffix", 1), ("vllm_suffix@4", "suffix", 4)]
@@ -127,22 +137,12 @@ def test_trained_drafter_configs(tmp_path):
     assert "vllm_eagle3" in PEERS and "vllm_peagle" in PEERS and "vllm_eagle3" not in peers_arg("all")
 
 
-def test_the_trained_drafter_rows(monkeypatch, tmp_path):
+def test_the_trained_drafter_rows(tmp_path, fake_vllm):
     """`vllm_rows` with ``vllm_eagle3``: its runs carry the drafter's folder; asked for without
     one (or with an empty folder), it is refused before anything runs, naming the way to train one."""
-    import streamspec.vllm.client as client
     from streamspec.evaluation.vllm_peers import vllm_rows
 
-    specs = []
-
-    def fake_run(spec):
-        specs.append(spec)
-        return {"runs": [{"name": r["name"], "concurrency": r["concurrency"], "outputs": [[7, 8]], "tokens": 2,
-                          "seconds": 0.1, "tokens_per_s": 20.0,
-                          "mean_acceptance_length": None if r["drafter"] == "none" else 1.5} for r in spec["runs"]]}
-
-    monkeypatch.setattr(client, "vllm_python", lambda python=None: sys.executable)
-    monkeypatch.setattr(client, "run_vllm", fake_run)
+    specs = fake_vllm
     folder = speculators_folder(tmp_path / "eagle3")
     rows = vllm_rows(("vllm_eagle3",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0, concurrency=(1,),
                      drafters={"eagle3": folder})
