@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA_STAMP := $(VENV)/.data-installed
 
+# Both environments install the same torch wheel and streamspec itself: pip's cache (~/.cache/pip,
+# shared by every environment of the user) downloads a wheel once and keeps the wheels it builds
+# (arctic-inference below), so the second environment and every later build reuse them.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
