@@ -28,7 +28,7 @@ OVERFLOW = ("drop", "truncate")
 
 
 def load_rows(
-    path: str | None = None,
+    path: str | list[str] | None = None,
     dataset: str | None = None,
     split: str = "train",
     prompt_field: str = "prompt",
@@ -40,7 +40,7 @@ def load_rows(
     Args:
         path: a .jsonl, .json (a list of objects) or .csv file, or a distilled set's shard folder
             (`streamspec distill --engine vllm --out FOLDER`: its rows keep their prompt, or chat
-            messages, and the generated ids).
+            messages, and the generated ids); or a list of them, read in order.
         dataset: a `datasets` name or local folder (with `split`), instead of a path.
         prompt_field, completion_field: the columns holding prompt and completion.
         messages_field: a column of chat messages ({"role", "content"}) instead: the last
@@ -48,6 +48,11 @@ def load_rows(
     """
     if (path is None) == (dataset is None):
         raise ValueError("give exactly one of data.path (a .jsonl/.json/.csv file) or data.dataset (a datasets name)")
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise ValueError("data.path is an empty list: name at least one file or distilled set folder")
+        return [row for one in path for row in load_rows(path=one, prompt_field=prompt_field,
+                                                          completion_field=completion_field, messages_field=messages_field)]
     if path is not None and Path(path).is_dir():
         from .distill import read_distilled
         from .distill_shards import training_row

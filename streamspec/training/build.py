@@ -88,8 +88,20 @@ def task_rows(recipe: Recipe, split: str) -> list[dict]:
     return load_rows(dataset=data.dataset, split=data.train_split if split == "train" else data.validation_split, **common)
 
 
+def fraction_indices(count: int, fraction: float, seed: int = 0) -> list[int]:
+    """Which of `count` examples a share keeps (at least one), in order: chosen by one fixed
+    permutation, so that every smaller share is inside every larger one."""
+    import random
+
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:max(1, round(count * fraction))])
+
+
 def build_datasets(recipe: Recipe, tokenizer):
-    """Tokenised train and validation `datasets.Dataset`s (validation may be None)."""
+    """Tokenised train and validation `datasets.Dataset`s (validation may be None); the whole
+    training set (the trainer takes ``data.train_fraction`` of it, after an activation store of
+    the whole set, so that every share reads the same store)."""
     import datasets
 
     out = []

@@ -88,8 +88,10 @@ class DataArgs:
     """Training data: a built-in task or your own file / `datasets` name."""
 
     task: str = "sql"
-    path: str | None = None
-    validation_path: str | None = None
+    # a file or a distilled set's shard folder, or a list of them (read in order, e.g. several
+    # `streamspec distill --engine vllm` folders)
+    path: str | list[str] | None = None
+    validation_path: str | list[str] | None = None
     dataset: str | None = None
     train_split: str = "train"
     validation_split: str | None = "validation"
@@ -100,6 +102,9 @@ class DataArgs:
     overflow: str = "drop"
     max_train_examples: int | None = None
     max_validation_examples: int | None = None
+    # train on a share of the training rows (0 < f <= 1): a fixed random subset (seed 0), each
+    # smaller share inside every larger one, for data-scaling studies
+    train_fraction: float = 1.0
     # train on the model's own completions of the task's prompts (lossless streams): see
     # `streamspec.data.distill`; the set is built (and cached) before training starts
     distill: DistillArgs = field(default_factory=DistillArgs)
@@ -115,6 +120,8 @@ class DataArgs:
             raise ValueError("data.activations_path goes with data.cache_activations=true")
         _choice("data.overflow", self.overflow, OVERFLOW)
         _positive("data.max_length", self.max_length)
+        if not 0 < self.train_fraction <= 1:
+            raise ValueError(f"data.train_fraction must be in (0, 1], got {self.train_fraction!r}")
         if self.task == "custom" and (self.path is None) == (self.dataset is None):
             raise ValueError("data.task 'custom' needs exactly one of data.path or data.dataset")
         if self.task != "custom" and (self.path or self.dataset or self.validation_path):

@@ -31,7 +31,7 @@ from ..patch.checkpoint import check_stream_config, load_training_checkpoint  # 
 from ..patch.resume import init_draft_from, load_draft_checkpoint
 from ..patch.decoder import DecoderParts
 from ..patch.model import StreamedModel
-from .build import build_datasets, build_model, keep_float32_masters, task_rows  # noqa: F401 (re-exported)
+from .build import build_datasets, build_model, fraction_indices, keep_float32_masters, task_rows  # noqa: F401 (re-exported)
 from .recipe import Recipe
 from ..patch.zero import (  # noqa: F401  (check_deepspeed_config: part of this module's API)
     check_deepspeed_config,
@@ -318,6 +318,11 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
     if recipe.data.cache_activations:
         train_set, validation_set, collator = offline_datasets(model, train_set, validation_set, tokenizer.pad_token_id,
                                                                recipe.data.activations_path, recipe.training.eval_batch_size)
+    if recipe.data.train_fraction < 1:
+        keep = fraction_indices(len(train_set), recipe.data.train_fraction)
+        logger.warning("training on %d of %d examples (data.train_fraction=%s)", len(keep), len(train_set),
+                       recipe.data.train_fraction)
+        train_set = train_set.select(keep)
     if recipe.training.gradient_checkpointing and isinstance(model, StreamedModel):
         model.hf_model.gradient_checkpointing_enable()
     trainer = StreamTrainer(

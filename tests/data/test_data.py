@@ -181,6 +181,20 @@ def test_load_rows_jsonl_json_csv_with_custom_fields(tmp_path):
     assert load_rows(path=str(cs), prompt_field="q", completion_field="a") == expected
 
 
+def test_load_rows_reads_a_list_of_paths_in_order(tmp_path):
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.json"
+    first.write_text(json.dumps({"prompt": "one?", "completion": "1"}) + "\n", encoding="utf-8")
+    second.write_text(json.dumps([{"prompt": "two?", "completion": "2"}, {"prompt": "three?", "completion": "3"}]),
+                      encoding="utf-8")
+    rows = load_rows(path=[str(second), str(first)])
+    assert [r["completion"] for r in rows] == ["2", "3", "1"]
+    assert load_rows(path=[str(first)]) == load_rows(path=str(first))
+    with pytest.raises(ValueError, match="empty list"):
+        load_rows(path=[])
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_rows(path=[str(first), str(tmp_path / "missing.jsonl")])
+
+
 def test_load_rows_messages(tmp_path):
     chat = [
         {"role": "system", "content": "Be brief."},

@@ -246,3 +246,17 @@ def test_offline_recipe_trains_the_same_curve_as_online(tiny_dir, tmp_path):
     assert history["offline"] == pytest.approx(history["online"], rel=1e-4)
     assert offline["validation"][-1]["eval_stream_1_top1"] == pytest.approx(online["validation"][-1]["eval_stream_1_top1"])
     assert (tmp_path / "store" / STORE_FILE).is_file()
+
+
+def test_a_train_fraction_trains_on_its_share_through_the_whole_sets_store(tiny_dir, tmp_path):
+    recipe_path = ROOT / "recipes" / "smollm2-135m" / "sql_streams_distilled.yaml"
+    half = {"data.train_fraction": 0.5, "training.max_steps": -1, "training.epochs": 1, "training.save_steps": 100}
+    online = run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "online", **half)))
+    offline = run_training(load_recipe(recipe_path, _offline_overrides(
+        tiny_dir, tmp_path / "offline", **half, **{"data.cache_activations": "true",
+                                                   "data.activations_path": str(tmp_path / "store")})))
+    assert online["steps"] == offline["steps"] == 2  # 4 of the 8 training examples, batch 2
+    store = json.loads((tmp_path / "store" / STORE_FILE).read_text())
+    assert store["complete"]
+    assert store["settings"]["examples"] == 12  # the whole set's store (8 train + 4 validation), not the share's
+    assert offline["validation"][-1]["eval_stream_1_top1"] == pytest.approx(online["validation"][-1]["eval_stream_1_top1"])

@@ -189,6 +189,27 @@ def test_data_path_needs_custom_task(tmp_path):
     assert recipe.data.has_validation is False
 
 
+def test_data_path_takes_a_list_and_a_train_fraction(tmp_path):
+    folders = [str(tmp_path / "set-a"), str(tmp_path / "set-b")]
+    recipe = load_recipe(SQL, ["data.task=custom", f"data.path=[{folders[0]}, {folders[1]}]", "data.train_fraction=0.3"])
+    assert recipe.data.path == folders and recipe.data.train_fraction == 0.3
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match=r"train_fraction must be in \(0, 1\]"):
+            load_recipe(SQL, [f"data.train_fraction={bad}"])
+    with pytest.raises(ValueError, match=r"data\.path must be str or a list of str"):
+        load_recipe(SQL, ["data.task=custom", "data.path=[1, 2]"])
+
+
+def test_a_train_fraction_is_nested_in_every_larger_one():
+    from streamspec.training.build import fraction_indices
+
+    shares = {f: fraction_indices(200, f) for f in (0.1, 0.3, 1.0)}
+    assert [len(v) for v in shares.values()] == [20, 60, 200]
+    assert set(shares[0.1]) < set(shares[0.3]) < set(shares[1.0]) == set(range(200))
+    assert shares[0.3] == sorted(shares[0.3]) and shares[0.1] != list(range(20))  # in order, not the first rows
+    assert fraction_indices(200, 0.1) == shares[0.1] and fraction_indices(3, 0.01) == [fraction_indices(3, 0.01)[0]]
+
+
 def test_overrides_parse_yaml_values():
     recipe = load_recipe(
         SQL,
