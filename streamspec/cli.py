@@ -227,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="benchmark decoding methods side by side (speed and quality)")
     ev.add_argument("--checkpoint", required=True, help="a streamed checkpoint folder")
-    ev.add_argument("--task", choices=["sql", "summarize"], default="sql")
+    ev.add_argument("--task", choices=["sql", "summarize", "chat"], default="sql",
+                    help="sql: Spider's held-out databases; summarize: ACLSum; chat: MT-bench's 80 first turns "
+                         "(test only; tree shapes are chosen on the chat sources' validation slice)")
     ev.add_argument("--data", help="a JSONL file with prompt and completion fields, instead of --task's test set")
     ev.add_argument("--baseline", help="peft adapter folder of the next-token fine-tune (default: the base model)")
     ev.add_argument("--limit", type=int, default=50, help="test prompts (fixed order)")

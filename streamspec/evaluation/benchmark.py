@@ -77,11 +77,13 @@ from .tuning import (  # noqa: F401
 # `make demo` leaves all three out of its shipped-streams step to stay within its minutes (each
 # row a compiled graph is a first compile of ~1 minute on a CPU).
 SKIPPABLE_ROWS = ("baseline_default_kernels", "streamed_ar", "tree")
+EVAL_TASKS = ("sql", "summarize", "chat")
 
 
 def held_out_rows(task: str, data: str | None = None, split: str = "test", schema_style: str = "spider") -> list[dict]:
     """Prompts to benchmark: Spider's held-out databases (their schemas in `schema_style`, see
-    `streamspec.data.schema_styles`), ACLSum, or a JSONL file with prompt and completion fields."""
+    `streamspec.data.schema_styles`), ACLSum, MT-bench's first turns (chat), or a JSONL file with
+    prompt and completion fields."""
     if schema_style != "spider" and (task != "sql" or data is not None):
         raise ValueError(f"schema_style {schema_style!r} re-renders Spider prompts: it needs task 'sql' and no data file")
     if data is not None:
@@ -92,8 +94,8 @@ def held_out_rows(task: str, data: str | None = None, split: str = "test", schem
         from ..data.schema_styles import styled_spider_rows
 
         return styled_spider_rows(schema_style, split)
-    if task not in ("sql", "summarize"):
-        raise ValueError(f"task must be 'sql' or 'summarize' (or give data=FILE), got {task!r}")
+    if task not in EVAL_TASKS:
+        raise ValueError(f"task must be one of {list(EVAL_TASKS)} (or give data=FILE), got {task!r}")
     from ..data.tasks import task_rows
 
     return task_rows(task, split)

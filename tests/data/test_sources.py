@@ -321,3 +321,21 @@ def test_mtbench_first_turns_are_its_80_questions():
     _installed("mtbench")
     first = mtbench_first_turns()
     assert len(first) == len(set(first)) == 80 and all(q.strip() for q in first)
+
+
+def test_the_chat_task_benchmarks_mtbench_and_chooses_on_the_training_sources_held_out_slice():
+    from streamspec.data.tasks import CHAT_SOURCES, task_rows
+    from streamspec.evaluation.benchmark import held_out_rows
+
+    for name in ("mtbench", *CHAT_SOURCES):
+        _installed(name)
+    test = held_out_rows("chat")
+    assert [r["prompt"] for r in test] == mtbench_first_turns() and all(set(r) == {"prompt"} for r in test)
+    validation = held_out_rows("chat", split="validation")
+    assert validation and all(0 < len(r["prompt"]) <= 2000 for r in validation)
+    test_keys = {prompt_key({"messages": [{"role": "user", "content": r["prompt"]}]}) for r in test}
+    assert not test_keys & {prompt_key({"messages": [{"role": "user", "content": r["prompt"]}]}) for r in validation}
+    with pytest.raises(ValueError, match="distilled set"):
+        task_rows("chat", "train")
+    with pytest.raises(ValueError, match=r"task must be one of \['sql', 'summarize', 'chat'\]"):
+        held_out_rows("poetry")
