@@ -48,8 +48,10 @@ def describe(recipe: dict) -> str:
     init = s.get("stream_init", "identity")
     if init == "lowrank":
         init += f" (rank {s.get('init_rank') or 8})"
+    share = (recipe.get("data") or {}).get("train_fraction", 1.0)
+    data = f", data {100 * share:g}%" if share < 1 else ""
     return (f"streams Ns={s.get('stream_layers', 4)}, γ={s.get('num_streams', 3)}, rank={rank if rank else '-'}, "
-            f"init={init}, lr={t['learning_rate']:g}/{t.get('stream_learning_rate') or t['learning_rate']:g}")
+            f"init={init}, lr={t['learning_rate']:g}/{t.get('stream_learning_rate') or t['learning_rate']:g}{data}")
 
 
 def held_out(eval_folder: Path, medusa: bool) -> dict:

@@ -1,0 +1,125 @@
+"""Studies: a recipe trained at several points (recipe overrides), each point resumable, then the
+chain's held-out CRR of each, so that what the next run should change (more data, more capacity)
+is read from a table (`streamspec.evaluation.capacity.capacity_table`).
+
+A point's folder is ``OUT/NAME``. A point whose training finished (``training_summary.json``) is
+not trained again; one with a complete checkpoint resumes from it (a study stopped anywhere, on
+any machine with its folders, continues with the same command); its evaluation
+(``OUT/eval-NAME/benchmark.json``) is also kept.
+
+    python eval/scale_study.py --study sql-data --out runs/study-sql
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SQL_SCALE = "recipes/smollm2-135m/sql_streams_scale.yaml"
+# Every point starts from fresh streams (ranks differ from the shipped weights'); one pass over its data
+_FROM_SCRATCH = {"training.init_from": None, "training.report_to": "none"}
+# The capacity points see the same 30% of the set; their stores are the whole set's, so each rank
+# reads one store; Ns 6 needs other layers' activations and trains online instead
+_CAPACITY_DATA = {"data.train_fraction": 0.3}
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Study:
+    recipe: str
+    points: tuple[Point, ...]
+    about: str
+
+
+# one point of both studies (trained once: the same folder): rank 64, Ns 4, 30% of the set
+_BASE_30 = Point("data-30", {**_FROM_SCRATCH, **_CAPACITY_DATA})
+
+STUDIES: dict[str, Study] = {
+    "sql-data": Study(SQL_SCALE, (
+        Point("data-10", {**_FROM_SCRATCH, "data.train_fraction": 0.1}),
+        _BASE_30,
+        Point("data-100", dict(_FROM_SCRATCH)),
+    ), "data scaling at fixed capacity (rank-64 adapters, Ns 4): 10 / 30 / 100% of the SQL set, one pass each"),
+    "sql-capacity": Study(SQL_SCALE, (
+        _BASE_30,
+        Point("rank-128", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_adapter_rank": 128}),
+        Point("rank-256", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_adapter_rank": 256}),
+        # rank 576 = min(in, out) of every linear of SmolLM2-135M's layers: a full-rank stream-only
+        # change of each top-layer linear (the main rows keep the base's weights: still exact)
+        Point("full-rank", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_adapter_rank": 576}),
+        Point("ns-6", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_layers": 6, "data.cache_activations": False}),
+    ), "capacity at fixed data (30% of the SQL set, one pass): adapter rank 64 / 128 / 256 / full, Ns 4 / 6"),
+}
+
+
+def study_points(name: str, only: list[str] | None = None) -> tuple[Study, list[Point]]:
+    """The study and the points to run (all, or those named in `only`)."""
+    if name not in STUDIES:
+        raise ValueError(f"no study {name!r}; studies: {sorted(STUDIES)}")
+    study = STUDIES[name]
+    known = [p.name for p in study.points]
+    unknown = sorted(set(only or ()) - set(known))
+    if unknown:
+        raise ValueError(f"study {name!r} has no point(s) {unknown}; its points: {known}")
+    return study, [p for p in study.points if not only or p.name in only]
+
+
+def point_overrides(point: Point, out: Path) -> list[str]:
+    """The ``key=value`` overrides of one point, its output folder included."""
+    values = {**point.overrides, "training.output_dir": str(out / point.name)}
+    return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+
+
+def has_checkpoint(folder: Path) -> bool:
+    return any((p / "trainer_state.json").is_file() for p in folder.glob("checkpoint-*"))
+
+
+def train_point(study: Study, point: Point, out: Path, recipe_root: Path = Path(".")) -> Path:
+    """Train one point (or resume it; nothing when it finished); its output folder."""
+    from .recipe import load_recipe
+    from .trainer import SUMMARY_FILE, run_training
+
+    folder = out / point.name
+    if (folder / SUMMARY_FILE).is_file():
+        logger.warning("study point %s: trained already (%s)", point.name, folder / SUMMARY_FILE)
+        return folder
+    recipe = load_recipe(recipe_root / study.recipe, point_overrides(point, out))
+    resume = has_checkpoint(folder)
+    logger.warning("study point %s: %s", point.name, "resuming" if resume else "training")
+    run_training(recipe, resume=resume)
+    return folder
+
+
+def evaluate_point(point: Point, out: Path, task: str = "sql", limit: int = 30, max_new_tokens: int = 128) -> Path:
+    """The chain's CRR, ms a pass and speedup on `limit` held-out prompts of `task` (kept once done)."""
+    from ..evaluation.benchmark import run_benchmark
+
+    folder = out / f"eval-{point.name}"
+    if (folder / "benchmark.json").is_file():
+        return folder
+    run_benchmark(str(out / point.name / "final"), task=task, limit=limit, tree_top_k=1, thresholds=(),
+                  lookup=None, tree_budget=None, max_new_tokens=max_new_tokens, out_dir=str(folder), peers=(),
+                  skip=("baseline_default_kernels", "streamed_ar", "tree"))
+    return folder
+
+
+def run_study(name: str, out: str | Path, only: list[str] | None = None, evaluate: bool = True,
+              task: str = "sql", limit: int = 30, recipe_root: Path = Path(".")) -> str:
+    """Train (and evaluate) a study's points in order; returns its table."""
+    from ..evaluation.capacity import capacity_table
+
+    study, points = study_points(name, only)
+    out = Path(out)
+    runs, evals = [], []
+    for point in points:
+        runs.append(train_point(study, point, out, recipe_root))
+        evals.append(evaluate_point(point, out, task, limit) if evaluate else None)
+    return f"{study.about}\n\n" + capacity_table(runs, evals)

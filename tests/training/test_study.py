@@ -1,0 +1,71 @@
+"""Studies: every point trained once, resumed from its checkpoint after a stop, never retrained."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from streamspec.training import study as study_module
+from streamspec.training import trainer as trainer_module
+from streamspec.training.study import STUDIES, Point, Study, point_overrides, run_study, study_points
+
+
+def _rows(path, count):
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} plus {i}?", "completion": f"{2 * i}"}) + "\n"
+                            for i in range(count)), encoding="utf-8")
+    return str(path)
+
+
+def test_a_study_trains_each_point_once_and_resumes_a_stopped_one(tiny_dir, tmp_path, monkeypatch, single_thread):
+    common = {"model.name_or_path": str(tiny_dir), "model.dtype": "float32", "training.init_from": None,
+              "training.report_to": "none", "training.max_steps": 2, "training.save_steps": 1,
+              "training.logging_steps": 1, "training.eval_steps": 2, "training.batch_size": 2,
+              "data.path": f"[{_rows(tmp_path / 'train.jsonl', 8)}]", "data.validation_path": _rows(tmp_path / "val.jsonl", 2),
+              "data.activations_path": str(tmp_path / "store"), "data.max_length": 128}
+    tiny = Study(study_module.SQL_SCALE, (Point("half", {**common, "data.train_fraction": 0.5}),
+                                          Point("all", dict(common))), "a tiny study")
+    monkeypatch.setitem(STUDIES, "tiny", tiny)
+    calls = []
+    real = trainer_module.run_training
+
+    def recorded(recipe, resume=False):
+        calls.append((recipe.training.output_dir, resume))
+        return real(recipe, resume=resume)
+
+    monkeypatch.setattr(trainer_module, "run_training", recorded)
+    out = tmp_path / "study"
+    table = run_study("tiny", out, evaluate=False)
+    assert [c[1] for c in calls] == [False, False] and table.startswith("a tiny study")
+    assert "data 50%" in table and len([line for line in table.splitlines() if line.startswith("| streams")]) == 2
+
+    calls.clear()
+    assert run_study("tiny", out, evaluate=False) == table and calls == []  # finished points are kept
+
+    (out / "all" / "training_summary.json").unlink()  # a point stopped after its first checkpoint
+    shutil.rmtree(out / "all" / "checkpoint-2")
+    run_study("tiny", out, ["all"], evaluate=False)
+    assert calls == [(str(out / "all"), True)]  # resumed from checkpoint-1
+    state = json.loads((out / "all" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+
+
+def test_study_names_and_points_are_checked():
+    with pytest.raises(ValueError, match=r"no study 'nope'; studies: \['sql-capacity', 'sql-data'\]"):
+        study_points("nope")
+    with pytest.raises(ValueError, match=r"no point\(s\) \['rank-9'\]"):
+        study_points("sql-capacity", ["rank-9"])
+    capacity, points = study_points("sql-capacity", ["full-rank", "data-30"])
+    assert [p.name for p in points] == ["data-30", "full-rank"]  # the study's order
+    data, _ = study_points("sql-data")
+    shared = [p for p in data.points if p.name == "data-30"]
+    assert shared == [p for p in capacity.points if p.name == "data-30"]  # one folder serves both studies
+    from pathlib import Path
+
+    from streamspec.training.recipe import load_recipe
+
+    for study in (capacity, data):
+        for point in study.points:  # every point is a valid recipe
+            recipe = load_recipe(study.recipe, point_overrides(point, Path("runs/x")))
+            assert recipe.training.output_dir == f"runs/x/{point.name}" and recipe.training.init_from is None
