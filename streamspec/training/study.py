@@ -19,8 +19,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SQL_SCALE = "recipes/smollm2-135m/sql_streams_scale.yaml"
-# Every point starts from fresh streams (ranks differ from the shipped weights'); one pass over its data
-_FROM_SCRATCH = {"training.init_from": None, "training.report_to": "none"}
+# Every point starts from fresh streams (ranks differ from the shipped weights'), at the learning
+# rates the shipped streams started with; one pass over its data
+_FROM_SCRATCH = {"training.init_from": None, "training.learning_rate": 1e-3, "training.stream_learning_rate": 1e-2,
+                 "training.report_to": "none"}
 # The capacity points see the same 30% of the set; their stores are the whole set's, so each rank
 # reads one store; Ns 6 needs other layers' activations and trains online instead
 _CAPACITY_DATA = {"data.train_fraction": 0.3}
