@@ -6,6 +6,9 @@ time budget. Each drafter folder loads in vLLM as {"method": "eagle3", "model": 
 holds the parameters trained, the tokens seen and the wall times.
 
     python eval/train_peer_drafters.py --distilled DIR --out runs/peer-drafters --max-seconds 600
+    # a long run in several calls (each continues from the last checkpoint; the hidden states kept)
+    python eval/train_peer_drafters.py --distilled DIR1 DIR2 --method eagle3 --resume --checkpoint-freq 0.1 \
+        --hidden-states-dtype bfloat16 --max-seconds 3600
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from streamspec.evaluation.peer_drafters import MAX_LENGTH, METHODS, distilled_e
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--distilled", required=True, help="the distilled set (a shard folder or a JSONL file)")
+    parser.add_argument("--distilled", required=True, nargs="+",
+                        help="the distilled set(s): shard folders or JSONL files, read in order")
     parser.add_argument("--model", default=DEFAULT_MODEL_ID, help="the target (a folder or a streamspec: id)")
     parser.add_argument("--method", nargs="+", default=["eagle3"], choices=METHODS)
     parser.add_argument("--out", type=Path, default=Path("runs/peer-drafters"),
@@ -41,10 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-hidden-states", action="store_true")
+    parser.add_argument("--hidden-states-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="what the target's hidden states are stored in (bfloat16: half the disk)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in OUT/work (the same rows and settings)")
+    parser.add_argument("--checkpoint-freq", type=float, default=1.0,
+                        help="a checkpoint every N epochs (below 1: within an epoch, for --resume)")
     args = parser.parse_args(argv)
     examples, data = distilled_examples(args.model, args.distilled, max_length=args.max_length,
                                         max_rows=args.max_rows, seed=args.seed)
-    data["distilled"] = Path(args.distilled).name
+    data["distilled"] = [Path(d).name for d in args.distilled]
     print(f"{data['used']} rows ({data['distilled_rows']} distilled, {data['dropped_too_long']} over "
           f"{args.max_length} tokens dropped)")
     for i, method in enumerate(args.method):
@@ -55,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             max_seconds=args.max_seconds, epochs=args.epochs, total_seq_len=args.total_seq_len,
             max_length=args.max_length, draft_vocab_size=args.draft_vocab_size or None, lr=args.lr,
             ttt_steps=args.ttt_steps, num_depths=args.num_depths, threads=args.threads, seed=args.seed,
-            keep_hidden_states=args.keep_hidden_states or not last)
+            keep_hidden_states=args.keep_hidden_states or not last, hidden_states_dtype=args.hidden_states_dtype,
+            resume=args.resume, checkpoint_freq=args.checkpoint_freq)
         print(summary_line(report))
         print(json.dumps({"method": "eagle3", "model": str(args.out / method),
                           "num_speculative_tokens": report["num_speculative_tokens"],

@@ -26,18 +26,21 @@ PEER_OF = {"eagle3": "vllm_eagle3", "peagle": "vllm_peagle"}
 MAX_LENGTH = 768  # the SQL recipes' data.max_length: longer rows are dropped, as the streams' training drops them
 
 
-def distilled_examples(model: str, distilled: str | Path, max_length: int = MAX_LENGTH, max_rows: int | None = None,
-                       seed: int = 0) -> tuple[list[dict], dict]:
-    """The distilled set's rows as ``{"input_ids", "loss_mask"}`` (loss on the completion), with
-    the counts: rows read, kept, dropped for length. `max_rows`: the first N after a seeded
-    shuffle (the set is ordered by source)."""
+def distilled_examples(model: str, distilled: str | Path | list, max_length: int = MAX_LENGTH,
+                       max_rows: int | None = None, seed: int = 0) -> tuple[list[dict], dict]:
+    """The distilled set's rows (or several sets', in order) as ``{"input_ids", "loss_mask"}``
+    (loss on the completion), with the counts: rows read, kept, dropped for length. `max_rows`:
+    the first N after a seeded shuffle (a set is ordered by source)."""
     from transformers import AutoTokenizer
 
     from ..assets import builtin_model_path
     from ..data.build import tokenize_rows
     from ..data.distill import read_distilled
 
-    rows = read_distilled(distilled)
+    sets = distilled if isinstance(distilled, (list, tuple)) else [distilled]
+    if not sets:
+        raise ValueError("name at least one distilled set")
+    rows = [row for one in sets for row in read_distilled(one)]
     random.Random(seed).shuffle(rows)
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_path(model))
     examples, stats = tokenize_rows(rows, tokenizer, max_length=max_length, overflow="drop")

@@ -29,10 +29,16 @@ folder, "work": scratch folder, "method": "eagle3" | "peagle", "max_steps": N | 
 On a machine without an accelerator (`cpu_shim`): the trainer's device is the CPU (speculators
 moves the model and batches to local rank 0, which torch reads as an accelerator, and autocasts
 for "cuda" when it finds none), and ``torch.accelerator.synchronize`` returns at once (its step
-timer synchronizes the accelerator; CPU work is synchronous). speculators' own options do the rest:
+timer synchronizes the accelerator; CPU work is synchronous), and its checkpointer loads a resumed
+run's checkpoint onto the CPU. speculators' own options do the rest:
 ``--draft-attn-impl sdpa`` (no flex attention), ``--loss-implementation eager`` (no Triton),
 ``--num-workers 0``, float32. The budget (`budget`) stops training between two steps through
 speculators' own interruption path, which saves the ``interrupted`` checkpoint.
+
+A long run goes in several calls (``"resume": true``, with a ``checkpoint_freq`` below 1 for
+checkpoints inside an epoch): each call continues from speculators' last checkpoint in ``work``
+(its own resume), keeps the hidden states for the next, and the report adds up every call's
+steps, tokens and training seconds (``calls``); ``max_seconds`` is one call's budget.
 """
 
 from __future__ import annotations
@@ -61,8 +67,14 @@ DEFAULTS = {
     "seed": 0,
     "threads": None,  # torch threads (None: torch's default, OMP_NUM_THREADS)
     "keep_hidden_states": False,
+    "hidden_states_dtype": "float32",  # what the hidden states are written and read in (bfloat16: half the disk)
+    # continue from the last checkpoint in `work` (speculators' own resume), adding this call's
+    # steps, tokens and seconds to the earlier calls'; the hidden states are kept for the next call
+    "resume": False,
+    "checkpoint_freq": 1.0,  # speculators: a checkpoint every N epochs (< 1: within an epoch)
     "extra_args": [],  # more speculators train flags, verbatim
 }
+HIDDEN_STATES_DTYPES = ("float32", "bfloat16")
 REPORT = "training.json"
 PREPARED = "prepared.json"  # in the data folder: what its set and hidden states were made of
 METHODS = ("eagle3", "peagle")
@@ -101,11 +113,12 @@ def prepare_dataset(rows: Path, data: Path, max_length: int):
     return dataset
 
 
-def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: Path) -> int:
+def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: Path, dtype: str = "float32") -> int:
     """Run the target over every row and write its hidden states in speculators' file layout:
     the residual stream entering each layer of `layer_ids` (transformers' ``hidden_states[i]``,
     vLLM's aux hidden state i), then the last layer's output before the final norm (what the
-    drafter's loss reconstructs the target's logits from). Returns the tokens processed."""
+    drafter's loss reconstructs the target's logits from), computed in float32 and written in
+    `dtype`. Returns the tokens processed."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -122,7 +135,8 @@ def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: 
                 ids = dataset[i]["input_ids"]
                 out = body(input_ids=ids[None], output_hidden_states=True, use_cache=False)
                 states = [out.hidden_states[layer][0] for layer in layer_ids] + [captured.pop("last")[0]]
-                save_file({"hidden_states": torch.stack(states, dim=1).contiguous(), "token_ids": ids.clone()},
+                stacked = torch.stack(states, dim=1).to(getattr(torch, dtype)).contiguous()
+                save_file({"hidden_states": stacked, "token_ids": ids.clone()},
                           str(folder / f"hs_{i}.safetensors"))
                 tokens += ids.numel()
     finally:
@@ -142,7 +156,9 @@ def train_args(spec: dict, data: Path, checkpoints: Path, layer_ids: list[int], 
             "--num-layers=1", "--full-attention-indices", "0",
             # the CPU's: no flex attention, no Triton loss, no worker processes, float32
             "--draft-attn-impl=sdpa", "--loss-implementation=eager", "--num-workers=0",
-            "--hidden-states-dtype=float32", "--no-resume-from-checkpoint"]
+            f"--hidden-states-dtype={spec['hidden_states_dtype']}", f"--checkpoint-freq={spec['checkpoint_freq']}"]
+    if not spec["resume"]:
+        args.append("--no-resume-from-checkpoint")
     if spec["method"] == "eagle3":
         args.append(f"--ttt-steps={spec['ttt_steps']}")
     else:
@@ -240,12 +256,16 @@ class MetricsCapture(logging.Handler):
 
 def cpu_shim() -> bool:
     """On a machine without an accelerator: ``torch.accelerator.synchronize`` returns at once
-    (speculators' step timer calls it; CPU work is already synchronous). True when applied."""
+    (speculators' step timer calls it; CPU work is already synchronous), and a resumed run's
+    checkpoint loads onto the CPU (speculators' checkpointer asks for "cuda:0" when it finds no
+    accelerator). True when applied."""
     import torch
+    from speculators.train import checkpointer
 
     if torch.accelerator.current_accelerator() is not None:
         return False
     torch.accelerator.synchronize = lambda device=None: None
+    checkpointer.get_current_device = lambda: "cpu"
     return True
 
 
@@ -264,6 +284,8 @@ def train(spec: dict) -> dict:
     spec = {**DEFAULTS, **spec}
     if spec["method"] not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {spec['method']!r}")
+    if spec["hidden_states_dtype"] not in HIDDEN_STATES_DTYPES:
+        raise ValueError(f"hidden_states_dtype must be one of {HIDDEN_STATES_DTYPES}, got {spec['hidden_states_dtype']!r}")
     import torch
 
     if spec.get("threads"):
@@ -271,8 +293,14 @@ def train(spec: dict) -> dict:
     start = time.perf_counter()
     work, out = Path(spec["work"]), Path(spec["out"])
     data, checkpoints = work / "data", work / f"checkpoints-{spec['method']}"
-    for stale in (checkpoints, work / f"logs-{spec['method']}"):
-        shutil.rmtree(stale, ignore_errors=True)
+    calls_path = work / f"calls-{spec['method']}.json"  # each call's figures, for a resumed run's totals
+    stale = [checkpoints / "interrupted"]  # a budget's stop: never resumed from (speculators skips it)
+    if not spec["resume"]:
+        stale += [checkpoints, work / f"logs-{spec['method']}"]
+        calls_path.unlink(missing_ok=True)
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    earlier = json.loads(calls_path.read_text(encoding="utf-8")) if calls_path.is_file() else []
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(spec["model"])
@@ -280,7 +308,7 @@ def train(spec: dict) -> dict:
     # the set and its hidden states, unless `work` holds them for the same rows, target and layers
     # (the second method of one `eval/train_peer_drafters.py` call trains on the first one's)
     made_of = {"rows": _sha256(Path(spec["rows"])), "model": str(spec["model"]), "layer_ids": layer_ids,
-               "max_length": spec["max_length"]}
+               "max_length": spec["max_length"], "dtype": spec["hidden_states_dtype"]}
     reused = _prepared(data) == made_of
     if reused:
         from datasets import load_from_disk
@@ -291,7 +319,8 @@ def train(spec: dict) -> dict:
         shutil.rmtree(data, ignore_errors=True)
         dataset = prepare_dataset(Path(spec["rows"]), data, spec["max_length"])
     prepared = time.perf_counter()
-    hidden_tokens = 0 if reused else write_hidden_states(spec["model"], dataset, layer_ids, data / "hidden_states")
+    hidden_tokens = 0 if reused else write_hidden_states(spec["model"], dataset, layer_ids, data / "hidden_states",
+                                                         spec["hidden_states_dtype"])
     if not reused:
         (data / PREPARED).write_text(json.dumps(made_of), encoding="utf-8")
     hidden = time.perf_counter()
@@ -322,11 +351,14 @@ def train(spec: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(source / name, out / name)
-    if not spec["keep_hidden_states"]:
+    if not (spec["keep_hidden_states"] or spec["resume"]):
         shutil.rmtree(data / "hidden_states", ignore_errors=True)
         (data / PREPARED).unlink(missing_ok=True)
     with (out / "config.json").open(encoding="utf-8") as f:
         saved = json.load(f)
+    calls = earlier + [{"steps": progress.steps, "tokens_seen": progress.tokens, "loss_tokens_seen": progress.loss_tokens,
+                        "training_seconds": round(progress.seconds, 2), "stopped": progress.stopped}]
+    calls_path.write_text(json.dumps(calls, indent=2) + "\n", encoding="utf-8")
     report = {
         "method": spec["method"],
         "model": spec["model"],
@@ -345,13 +377,16 @@ def train(spec: dict) -> dict:
         "trained_parameters": progress.trained_parameters,
         "total_parameters": progress.total_parameters,
         "steps": progress.steps,
-        "tokens_seen": progress.tokens,
-        "loss_tokens_seen": progress.loss_tokens,
+        # every call's work (a resumed run repeats the steps after its last checkpoint: counted, as spent)
+        "tokens_seen": sum(c["tokens_seen"] for c in calls),
+        "loss_tokens_seen": sum(c["loss_tokens_seen"] for c in calls),
         "stopped": progress.stopped,
         "checkpoint": source.name,
         "seconds": {"prepare": round(prepared - start, 2), "hidden_states": round(hidden - prepared, 2),
-                    "training": round(progress.seconds, 2), "train_call": round(trained - hidden, 2),
+                    "training": round(sum(c["training_seconds"] for c in calls), 2),
+                    "train_call": round(trained - hidden, 2),
                     "total": round(time.perf_counter() - start, 2)},
+        "calls": calls,
         "hidden_state_tokens": hidden_tokens,
         "hidden_states_reused": reused,
         "train_metrics": progress.metrics,

@@ -113,11 +113,13 @@ def tiny_peer_drafters(root: Path, base: Path, prompts: list[list[int]]) -> dict
         for prompt in prompts:
             ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
             examples.append({"input_ids": ids[0].tolist(), "loss_mask": [0] * len(prompt) + [1] * NEW_TOKENS})
-    return {method: train_peer_drafter(str(base), examples, root / f"llama-{method}", method=method,
-                                       work=root / "peers", max_steps=8, epochs=10, total_seq_len=128,
-                                       draft_vocab_size=256, train_data_ratio=0.75,
-                                       keep_hidden_states=method == "eagle3")
-            for method in ("eagle3", "peagle")}
+    common = dict(work=root / "peers", epochs=10, total_seq_len=128, draft_vocab_size=256, train_data_ratio=0.75)
+    # EAGLE-3 in two calls, as a long run goes: 4 steps, then on to 8 from its last checkpoint
+    train_peer_drafter(str(base), examples, root / "llama-eagle3", method="eagle3", max_steps=4, resume=True, **common)
+    return {"eagle3": train_peer_drafter(str(base), examples, root / "llama-eagle3", method="eagle3", max_steps=8,
+                                         resume=True, **common),
+            "peagle": train_peer_drafter(str(base), examples, root / "llama-peagle", method="peagle", max_steps=8,
+                                         **common)}
 
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -230,7 +232,12 @@ def test_drafters_trained_by_speculators_decode_identically(tiny, method):
     assert report["method"] == method and report["speculators"] == "0.9.0" and report["device"] == "cpu"
     assert report["steps"] == 8 and report["stopped"] == "max_steps (8)" and report["checkpoint"] == "interrupted"
     assert report["target_layer_ids"] == [1, 2, 3] and report["draft_vocab_size"] == 256
-    assert report["hidden_states_reused"] == (method == "peagle")  # one set of hidden states for both
+    assert report["hidden_states_reused"] and report["hidden_state_tokens"] == 0  # one set of hidden states for all
+    if method == "eagle3":  # resumed: the second call went on from the first one's last checkpoint, not from 0
+        first, second = report["calls"]
+        assert first["steps"] == 4 and first["stopped"] == "max_steps (4)" and second["steps"] == 8
+        assert 0 < second["tokens_seen"] < 1.5 * first["tokens_seen"]
+        assert report["tokens_seen"] == first["tokens_seen"] + second["tokens_seen"]
     assert 0 < report["trained_parameters"] < report["total_parameters"]  # the LM head stays the target's
     assert report["tokens_seen"] >= report["loss_tokens_seen"] > 0 and report["seconds"]["training"] > 0
     assert run["outputs"] == plain["outputs"]
