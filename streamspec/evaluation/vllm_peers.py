@@ -93,6 +93,9 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
             runs += [{**run, "name": _name(peer, n), "concurrency": n} for n in concurrency]
         spec = {"model": base, "dtype": dtype, "prompts": prompts, "max_tokens": max_new_tokens, "runs": runs}
         results = {r["name"]: r for r in run_vllm(spec)["runs"]}
+    trained = {peer: drafter_facts(folders[peer]) for peer in folders}
+    if "vllm_streams" in wanted:
+        trained["vllm_streams"] = streams_facts(checkpoint)
     rows = {}
     for name, result in results.items():
         plain = results[_name("vllm", result["concurrency"])]["outputs"]
@@ -101,6 +104,10 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
             "speedup": round(result["tokens_per_s"] / baseline_tps, 3) if baseline_tps else None,
             "mean_acceptance_length": None if result["mean_acceptance_length"] is None
             else round(result["mean_acceptance_length"], 3),
+            "acceptance_per_position": None if not result.get("acceptance_per_position")
+            else [round(a, 3) for a in result["acceptance_per_position"]],
+            "num_speculative_tokens": result.get("num_speculative_tokens"),
+            **trained.get(name.split("@")[0], {}),
             "identical_to_vllm": result["outputs"] == plain,
             "identical_to_baseline": result["outputs"] == baseline_outputs,
             "concurrency": result["concurrency"],
@@ -108,6 +115,38 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
             "seconds": round(result["seconds"], 3),
         }
     return rows
+
+
+def drafter_facts(folder: str) -> dict:
+    """A trained peer's parameters and training time (its ``training.json``, from
+    `streamspec.vllm.peer_training`); {} when the folder has none."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "training.json"
+    if not path.is_file():
+        return {}
+    report = json.loads(path.read_text(encoding="utf-8"))
+    return {"draft_parameters": report.get("trained_parameters"),
+            "training_seconds": (report.get("seconds") or {}).get("training"),
+            "training_tokens": report.get("tokens_seen")}
+
+
+def streams_facts(checkpoint: str) -> dict:
+    """The streams' parameters (their weights file) and, when the checkpoint is a training run's
+    ``final`` folder, that run's training time (``training_summary.json`` beside it)."""
+    import json
+    from pathlib import Path
+
+    from ..assets import shipped_or_path
+    from .capacity import added_parameters
+
+    folder = Path(shipped_or_path(checkpoint))
+    facts = {"draft_parameters": added_parameters(folder)}
+    summary = folder.parent / "training_summary.json"
+    if summary.is_file():
+        facts["training_seconds"] = json.loads(summary.read_text(encoding="utf-8")).get("wall_seconds")
+    return facts
 
 
 def _name(peer: str, concurrency: int) -> str:
@@ -120,6 +159,9 @@ COLUMNS = [
     {"key": "tokens_per_second", "label": "tokens/s", "format": "{:.1f}"},
     {"key": "x_vllm", "label": "× vLLM plain", "format": "{:.2f}×"},
     {"key": "mean_acceptance_length", "label": "mean acceptance length", "format": "{:.2f}"},
+    {"key": "acceptance_per_position", "label": "accepted per draft position"},
+    {"key": "draft_parameters", "label": "drafter parameters", "format": "{:,}"},
+    {"key": "training_seconds", "label": "training (s)", "format": "{:.0f}"},
     {"key": "identical", "label": "identical to vLLM plain"},
 ]
 
@@ -138,9 +180,22 @@ def result_table(summary: dict, **facts) -> dict:
         rows.append({"method": name.split("@")[0], "concurrency": entry["concurrency"],
                      "tokens_per_second": entry["tokens_per_second"],
                      "x_vllm": round(entry["tokens_per_second"] / plain, 3) if plain else None,
-                     "mean_acceptance_length": entry["mean_acceptance_length"], "identical": entry["identical_to_vllm"]})
+                     "mean_acceptance_length": entry["mean_acceptance_length"],
+                     "acceptance_per_position": _positions(entry.get("acceptance_per_position")),
+                     "draft_parameters": entry.get("draft_parameters"),
+                     "training_seconds": entry.get("training_seconds"), "identical": entry["identical_to_vllm"]})
     if not rows:
         raise ValueError("the summary has no vLLM rows: run streamspec eval with "
                          "--peers vllm,vllm_ngram,vllm_suffix,vllm_streams[,vllm_eagle3 --eagle3 FOLDER]")
     rows.sort(key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["method"])))
-    return {**facts, "columns": COLUMNS, "rows": rows}
+    for column in ("acceptance_per_position", "draft_parameters", "training_seconds"):
+        if all(r[column] is None for r in rows):  # a table of untrained drafters: no such column
+            for r in rows:
+                del r[column]
+    columns = [c for c in COLUMNS if c["key"] in rows[0] or c["key"] == "method"]
+    return {**facts, "columns": columns, "rows": rows}
+
+
+def _positions(shares: list[float] | None) -> str | None:
+    """Acceptance per draft position as text: "0.61 / 0.38 / 0.22 / 0.09"."""
+    return None if not shares else " / ".join(f"{a:.2f}" for a in shares)

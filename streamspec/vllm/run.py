@@ -114,13 +114,34 @@ def require_suffix_decoding() -> None:
         raise RuntimeError(f"{SUFFIX_DECODING_MISSING} ({err})") from err
 
 
-def counters(llm) -> dict[str, float]:
-    """vLLM's speculative-decoding counters (``vllm:spec_decode_*``) as name -> value."""
-    found: dict[str, float] = {}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def counters(llm) -> dict:
+    """vLLM's speculative-decoding counters (``vllm:spec_decode_*``) as name -> value; the
+    accepted drafts per draft position (`PER_POSITION`) as a list, position 1 first."""
+    found: dict = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode") and hasattr(metric, "value"):
+        if not metric.name.startswith("vllm:spec_decode"):
+            continue
+        if hasattr(metric, "values"):  # a vector: one count per draft position
+            had = found.get(metric.name, [])
+            found[metric.name] = [a + b for a, b in zip(had, metric.values)] + list(metric.values[len(had):])
+        elif hasattr(metric, "value"):
             found[metric.name] = found.get(metric.name, 0) + metric.value
     return found
+
+
+def counter_change(before: dict, after: dict) -> dict:
+    """What the counters moved by between two reads (vectors element by element)."""
+    change = {}
+    for name, value in after.items():
+        old = before.get(name, [] if isinstance(value, list) else 0)
+        if isinstance(value, list):
+            change[name] = [v - (old[i] if i < len(old) else 0) for i, v in enumerate(value)]
+        else:
+            change[name] = value - old
+    return change
 
 
 def engine_key(spec: dict, run: dict) -> str:
@@ -165,7 +186,7 @@ def decode(llm, spec: dict, run: dict) -> dict:
             log_lines.append(_lines(log))
     seconds = time.perf_counter() - start
     after = counters(llm)
-    spec_counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    spec_counters = counter_change(before, after)
     drafts = spec_counters.get("vllm:spec_decode_num_drafts", 0)
     accepted = spec_counters.get("vllm:spec_decode_num_accepted_tokens", 0)
     tokens = sum(len(o) for o in outputs)
@@ -173,7 +194,10 @@ def decode(llm, spec: dict, run: dict) -> dict:
             "num_speculative_tokens": (speculative or {}).get("num_speculative_tokens"),
             "concurrency": concurrency, "outputs": outputs, "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0, "counters": spec_counters,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "alignment_lines": log_lines}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            # the share of steps whose draft at position i (1 first) was accepted
+            "acceptance_per_position": [n / drafts for n in spec_counters.get(PER_POSITION, [])] if drafts else None,
+            "alignment_lines": log_lines}
 
 
 def _same_engine(spec: dict, runs: list[dict], key: str) -> list[dict]:

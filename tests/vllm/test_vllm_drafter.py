@@ -186,6 +186,10 @@ def test_tiny_bases_decode_identically_with_the_streams_drafting(tiny, arch):
     assert [len(o) for o in plain["outputs"]] == [NEW_TOKENS] * 3
     assert streams["outputs"] == plain["outputs"]
     assert streams["counters"]["vllm:spec_decode_num_drafts"] > 0  # the drafter ran
+    per_position = streams["acceptance_per_position"]  # vLLM's accepted drafts per position, over its steps
+    assert len(per_position) == streams["num_speculative_tokens"]
+    assert all(1 >= a >= b >= 0 for a, b in zip(per_position, per_position[1:]))  # a chain: never more later
+    assert 1 + sum(per_position) == pytest.approx(streams["mean_acceptance_length"])
     check_alignment(tiny[arch]["log"])
     model = load_streamed(tiny[arch]["root"] / f"{arch}-0-streams")
     same, total = drafts_agreement(model, tiny[arch]["prompts"], streams["outputs"],
@@ -216,6 +220,7 @@ def test_suffix_decoding_decodes_identically_and_drafts(tiny):
     assert run["num_speculative_tokens"] == 8
     assert run["counters"]["vllm:spec_decode_num_drafts"] > 0
     assert run["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert 1 + sum(run["acceptance_per_position"]) == pytest.approx(run["mean_acceptance_length"])
     assert run["mean_acceptance_length"] > 1
 
 
@@ -285,6 +290,7 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
 def test_the_benchmark_rows(tiny):
     """`streamspec eval --peers vllm_streams`'s rows: plain vLLM beside the streams, one request at a
     time and two at once, each compared with plain vLLM and with the benchmark's baseline."""
+    from streamspec.evaluation.capacity import added_parameters
     from streamspec.evaluation.vllm_peers import vllm_rows
 
     root, prompts = tiny["llama"]["root"], tiny["llama"]["prompts"]
@@ -298,4 +304,9 @@ def test_the_benchmark_rows(tiny):
         assert row["speedup"] == pytest.approx(row["tokens_per_second"] / 100, abs=1e-3)
         assert row["tokens_per_second"] == pytest.approx(row["tokens"] / row["seconds"], rel=1e-2, abs=0.02)
         assert (row["mean_acceptance_length"] is None) == (name in ("vllm", "vllm@2"))  # only drafters accept
+        if row["mean_acceptance_length"] is not None:
+            assert 1 + sum(row["acceptance_per_position"]) == pytest.approx(row["mean_acceptance_length"], abs=0.01)
+            assert len(row["acceptance_per_position"]) == row["num_speculative_tokens"]
+            # the drafter's own weights, counted from the checkpoint's streams file
+            assert row["draft_parameters"] == added_parameters(root / "llama-0-streams")
     assert rows["vllm_streams@2"]["concurrency"] == 2
