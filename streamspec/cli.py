@@ -267,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "speculators (python eval/train_peer_drafters.py --method eagle3)")
     ev.add_argument("--peagle", default=None, metavar="FOLDER",
                     help="the vllm_peagle row's drafter: a P-EAGLE drafter trained the same way (--method peagle)")
+    ev.add_argument("--vllm-concurrency", type=int, nargs="+", default=[1, 8], metavar="N",
+                    help="the vLLM rows' requests at once, one run each (default: 1 8; e.g. 1 8 32)")
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     ev.add_argument("--skip", nargs="+", default=[], choices=list(SKIPPABLE_ROWS), metavar="ROW",
@@ -410,6 +412,7 @@ def _run(args) -> int:
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
             decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS), peers=args.peers, gguf=args.gguf,
             skip=tuple(args.skip), drafters={"eagle3": args.eagle3, "peagle": args.peagle},
+            vllm_concurrency=tuple(args.vllm_concurrency),
         )
     elif args.command == "serve":
         from .serving import serve

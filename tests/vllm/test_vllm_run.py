@@ -179,3 +179,31 @@ def test_peer_training_settings():
     assert args[args.index("--full-attention-indices") + 1] == "0"
     peagle = train_args({**spec, "method": "peagle", "draft_vocab_size": None}, Path("d"), Path("c"), [1, 2, 3], 0)
     assert "--num-depths=4" in peagle and not any(a.startswith(("--ttt-steps", "--draft-vocab-size")) for a in peagle)
+    assert "--no-resume-from-checkpoint" in args  # a fresh run by default
+    resumed = train_args({**spec, "resume": True, "checkpoint_freq": 0.1, "hidden_states_dtype": "bfloat16"},
+                         Path("d"), Path("c"), [1, 2, 3], 0)
+    assert "--no-resume-from-checkpoint" not in resumed
+    assert "--checkpoint-freq=0.1" in resumed and "--hidden-states-dtype=bfloat16" in resumed
+
+
+def test_eval_runs_every_vllm_row_at_each_concurrency_asked_for(monkeypatch, fake_vllm):
+    """`streamspec eval --vllm-concurrency 1 8 32` reaches the vLLM runner as one run of each row
+    at each concurrency."""
+    from streamspec.evaluation import benchmark
+    from streamspec.evaluation.vllm_peers import vllm_rows
+
+    seen = {}
+
+    def fake_benchmark(checkpoint, **kwargs):
+        seen.update(kwargs)
+        return {}
+
+    monkeypatch.setattr(benchmark, "run_benchmark", fake_benchmark)
+    from streamspec.cli import main
+
+    main(["eval", "--checkpoint", "c", "--peers", "vllm_ngram", "--vllm-concurrency", "1", "8", "32"])
+    assert seen["vllm_concurrency"] == (1, 8, 32)
+    vllm_rows(("vllm_ngram",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0,
+              concurrency=seen["vllm_concurrency"])
+    assert [(r["name"], r["concurrency"]) for r in fake_vllm[0]["runs"]] == [
+        ("vllm", 1), ("vllm@8", 8), ("vllm@32", 32), ("vllm_ngram", 1), ("vllm_ngram@8", 8), ("vllm_ngram@32", 32)]
