@@ -1,6 +1,7 @@
 """The vLLM rows of a `streamspec eval --peers vllm,... --out DIR` run as a docs/results file (then
-`python eval/report.py` puts its table in docs/benchmarks.md); the peers: vllm, vllm_ngram,
-vllm_suffix, vllm_streams.
+`python eval/report.py` puts its table in docs/benchmarks.md and draws the acceptance per draft
+position as docs/figures/<OUT's name>_acceptance_per_position.png); the peers: vllm, vllm_ngram,
+vllm_suffix, vllm_streams, vllm_eagle3, vllm_peagle.
 
     python eval/vllm_table.py DIR docs/results/vllm_spider.json --command "..." --machine "AMD EPYC, 2 cores"
 """
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     summary = json.loads((args.run / "benchmark.json").read_text())
     table = result_table(summary, title=args.title, command=args.command, machine=args.machine, threads=args.threads,
-                         date=datetime.date.today().isoformat(), **({"note": args.note} if args.note else {}))
+                         date=datetime.date.today().isoformat(), plot_positions=args.out.stem,
+                         **({"note": args.note} if args.note else {}))
     args.out.write_text(json.dumps(table, indent=2) + "\n")
     print(args.out)
     return 0

@@ -11,7 +11,10 @@ A result file holds one table:
   carry ``method`` and, for the plots, ``tokens_per_second``, ``crr`` and (when measured)
   ``ms_per_pass``;
 - ``plot`` (optional): a task name; its rows are drawn as tokens/s by method and CRR against a
-  pass's cost (`write_figures`).
+  pass's cost (`write_figures`);
+- ``plot_positions`` (optional): a name; the rows' ``acceptance_per_position`` (a list, draft
+  position 1 first) are drawn as one line per row (`write_figures`). A list cell prints as its
+  values joined by " / ", each in the column's format.
 
 In docs/benchmarks.md a table sits between ``<!-- table: NAME -->`` and ``<!-- /table -->``,
 NAME being the result file's name without ``.json``; `rewrite_tables` puts the table rendered
@@ -79,6 +82,8 @@ def _cell(value, fmt: str | None) -> str:
         return "–"
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, list):
+        return " / ".join(_cell(v, fmt) for v in value)
     if fmt:
         try:
             return fmt.format(value)
@@ -139,7 +144,8 @@ def pass_cost_ms(row: dict) -> float | None:
 
 def write_figures(results: dict[str, dict], folder: str | Path) -> list[Path]:
     """For each result with a ``plot`` task: ``<task>_tokens_per_second.png`` (tokens/s by
-    method) and ``<task>_crr_vs_pass_cost.png`` (CRR against ms a pass) in `folder`."""
+    method) and ``<task>_crr_vs_pass_cost.png`` (CRR against ms a pass) in `folder`; for each
+    with ``plot_positions``: ``<name>_acceptance_per_position.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,6 +155,8 @@ def write_figures(results: dict[str, dict], folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, result in sorted(results.items()):
+        if result.get("plot_positions"):
+            written.append(_positions_figure(result, folder / f"{result['plot_positions']}_acceptance_per_position.png"))
         task = result.get("plot")
         if not task:
             continue
@@ -171,6 +179,28 @@ def write_figures(results: dict[str, dict], folder: str | Path) -> list[Path]:
         ax.set_title(f"{result['title']}: CRR against a pass's cost\n{subtitle}", fontsize=9)
         written.append(_save(fig, folder / f"{task}_crr_vs_pass_cost.png"))
     return written
+
+
+def _positions_figure(result: dict, path: Path) -> Path:
+    """One line per row with ``acceptance_per_position``: the share of steps whose draft at each
+    position was accepted (labelled by method and, when there, requests at once)."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("acceptance_per_position")]
+    if not rows:
+        raise ResultError(f"{result.get('name', 'a result')}.json: 'plot_positions' is set but no row has "
+                          "'acceptance_per_position'")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        shares = row["acceptance_per_position"]
+        label = row.get("method", "?") + (f" ×{row['concurrency']}" if row.get("concurrency", 1) != 1 else "")
+        ax.plot(range(1, len(shares) + 1), shares, marker="o", label=label)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of steps accepting it")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{result['title']}\n{result['machine']}, {result['threads']} thread(s), {result['date']}", fontsize=9)
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:

@@ -159,7 +159,7 @@ COLUMNS = [
     {"key": "tokens_per_second", "label": "tokens/s", "format": "{:.1f}"},
     {"key": "x_vllm", "label": "× vLLM plain", "format": "{:.2f}×"},
     {"key": "mean_acceptance_length", "label": "mean acceptance length", "format": "{:.2f}"},
-    {"key": "acceptance_per_position", "label": "accepted per draft position"},
+    {"key": "acceptance_per_position", "label": "accepted per draft position", "format": "{:.2f}"},
     {"key": "draft_parameters", "label": "drafter parameters", "format": "{:,}"},
     {"key": "training_seconds", "label": "training (s)", "format": "{:.0f}"},
     {"key": "identical", "label": "identical to vLLM plain"},
@@ -170,7 +170,7 @@ def result_table(summary: dict, **facts) -> dict:
     """A docs/results file (`streamspec.evaluation.results`) of the vLLM rows of a benchmark
     summary (``streamspec eval --out``'s ``benchmark.json``), each row's tokens/s also as a
     multiple of plain vLLM's at the same concurrency. `facts`: title, command, machine, threads,
-    date, note."""
+    date, note, plot_positions (the name of its acceptance-per-position figure)."""
     summary = summary.get("methods", summary)
     rows = []
     for name, entry in summary.items():
@@ -181,7 +181,7 @@ def result_table(summary: dict, **facts) -> dict:
                      "tokens_per_second": entry["tokens_per_second"],
                      "x_vllm": round(entry["tokens_per_second"] / plain, 3) if plain else None,
                      "mean_acceptance_length": entry["mean_acceptance_length"],
-                     "acceptance_per_position": _positions(entry.get("acceptance_per_position")),
+                     "acceptance_per_position": entry.get("acceptance_per_position"),
                      "draft_parameters": entry.get("draft_parameters"),
                      "training_seconds": entry.get("training_seconds"), "identical": entry["identical_to_vllm"]})
     if not rows:
@@ -193,9 +193,7 @@ def result_table(summary: dict, **facts) -> dict:
             for r in rows:
                 del r[column]
     columns = [c for c in COLUMNS if c["key"] in rows[0] or c["key"] == "method"]
-    return {**facts, "columns": columns, "rows": rows}
-
-
-def _positions(shares: list[float] | None) -> str | None:
-    """Acceptance per draft position as text: "0.61 / 0.38 / 0.22 / 0.09"."""
-    return None if not shares else " / ".join(f"{a:.2f}" for a in shares)
+    table = {**facts, "columns": columns, "rows": rows}
+    if "acceptance_per_position" not in rows[0]:
+        table.pop("plot_positions", None)  # nothing to draw
+    return table

@@ -126,12 +126,17 @@ def test_the_vllm_rows_become_a_docs_result_file(tmp_path):
     assert "| vllm_streams | 8 | 40.0 | 0.50× | 2.00 | no |" in text
     # with what vLLM counts per draft position and what a trained drafter cost: two more columns
     summary["vllm_streams"].update(acceptance_per_position=[0.6, 0.3, 0.1], draft_parameters=2616000)
-    table = result_table(summary, title="t", command="c", machine="m", threads=1, date="2026-12-04")
+    table = result_table(summary, title="t", command="c", machine="m", threads=1, date="2026-12-04",
+                         plot_positions="v")
     assert [c["key"] for c in table["columns"]] == ["method", "concurrency", "tokens_per_second", "x_vllm",
                                                    "mean_acceptance_length", "acceptance_per_position",
                                                    "draft_parameters", "identical"]
     (tmp_path / "v.json").write_text(json.dumps(table))
     assert "| vllm_streams | 1 | 25.0 | 1.25× | 2.00 | 0.60 / 0.30 / 0.10 | 2,616,000 | yes |" in render_table(
         load_result(tmp_path / "v.json"))
+    from streamspec.evaluation.results import write_figures
+
+    assert [p.name for p in write_figures({"v": load_result(tmp_path / "v.json")}, tmp_path / "figures")] == [
+        "v_acceptance_per_position.png"]
     with pytest.raises(ValueError, match="no vLLM rows"):
         result_table({"baseline": {"tokens_per_second": 1.0}})
