@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     card.add_argument("--sources", nargs="+", default=None,
                       help="sources in order of preference (default: the installed ones that are neither opt-in "
                            "nor test-only)")
+    card.add_argument("--distilled", nargs="+", default=None, metavar="FOLDER",
+                      help="instead: the card of distilled sets (streamspec distill --engine vllm --out FOLDER): "
+                           "counts per set and source, where the prompts come from, licences")
     card.add_argument("--validation-fraction", type=float, default=0.02)
     card.add_argument("--seed", type=int, default=0)
     from .reason.cli import add_reason_commands
@@ -426,6 +429,13 @@ def _run(args) -> int:
 
         if args.data_command == "list":
             print(format_source_table())
+        elif args.distilled:
+            from .data.distill_card import write_distilled_card
+
+            if args.sources:
+                raise ValueError("data card: give --sources (a prompt set) or --distilled (distilled sets), not both")
+            for path in write_distilled_card(args.out, args.distilled):
+                print(path)
         else:
             for path in write_data_card(args.out, names=args.sources, validation_fraction=args.validation_fraction,
                                         seed=args.seed):

@@ -277,3 +277,26 @@ def test_the_command_runs_the_engine_path_end_to_end(tiny_dir, tmp_path, tokeniz
     assert main(argv) == 0 and len(started) == 2  # complete: the engine is not started
     assert main(argv[:-2] + ["--max-new-tokens", "7", "--out", str(out)]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_a_data_card_of_distilled_sets_counts_every_row_by_source(tmp_path, tokenizer, capsys):
+    from streamspec.cli import main
+    from streamspec.data.distill_card import distilled_card, source_origin
+
+    run(tmp_path / "one", tokenizer, chats(4))
+    run(tmp_path / "two", tokenizer, chats(2, turns=2), max_turns=1)
+    card = distilled_card([tmp_path / "one", tmp_path / "two"])
+    rows = read_distilled(tmp_path / "one") + read_distilled(tmp_path / "two")
+    assert card["totals"] == {"rows": len(rows), "conversations": 6,
+                              "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+                              "completion_tokens": sum(len(r["completion_ids"]) for r in rows)}
+    assert [(s["folder"], s["shards"], [x["source"] for x in s["sources"]]) for s in card["sets"]] == [
+        ("one", 2, ["chat"]), ("two", 1, ["chat"])]
+    assert source_origin("unused_databases@compact").endswith("written in the 'compact' style")
+    assert "CC BY-SA 4.0" in source_origin("train") and "MIT" in source_origin("chitchat")
+    assert main(["data", "card", "--distilled", str(tmp_path / "one"), "--out", str(tmp_path / "card.md")]) in (0, None)
+    assert "| one | 2 of 2 | chat | 4 |" in (tmp_path / "card.md").read_text()
+    with pytest.raises(FileNotFoundError, match="not a distilled set"):
+        distilled_card([tmp_path])
+    assert main(["data", "card", "--distilled", str(tmp_path / "one"), "--sources", "chitchat", "--out", "x.md"]) == 2
+    assert "not both" in capsys.readouterr().err
