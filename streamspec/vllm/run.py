@@ -124,6 +124,14 @@ def counters(llm) -> dict[str, float]:
     return found
 
 
+def accepted_per_position(llm) -> list[int]:
+    """vLLM's drafts accepted at each draft position (``vllm:spec_decode_num_accepted_tokens_per_pos``)."""
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and hasattr(metric, "values"):
+            return list(metric.values)
+    return []
+
+
 def engine_key(spec: dict, run: dict) -> str:
     """What an engine is made of for `run`: runs with the same key can share one."""
     return json.dumps({"model": run.get("model", spec["model"]), "speculative": speculative_config(run)}, sort_keys=True)
@@ -154,7 +162,7 @@ def decode(llm, spec: dict, run: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     if spec.get("warmup", True):
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
-    before = counters(llm)
+    before, before_positions = counters(llm), accepted_per_position(llm)
     outputs: list[list[int]] = []
     log = os.environ.get(ALIGNMENT_ENV)
     log_lines: list[int] = []  # the drafter's alignment log: its length after each batch
@@ -165,7 +173,8 @@ def decode(llm, spec: dict, run: dict) -> dict:
         if log and run.get("drafter") == "streams":
             log_lines.append(_lines(log))
     seconds = time.perf_counter() - start
-    after = counters(llm)
+    after, after_positions = counters(llm), accepted_per_position(llm)
+    before_positions += [0] * (len(after_positions) - len(before_positions))
     spec_counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     drafts = spec_counters.get("vllm:spec_decode_num_drafts", 0)
     accepted = spec_counters.get("vllm:spec_decode_num_accepted_tokens", 0)
@@ -174,7 +183,8 @@ def decode(llm, spec: dict, run: dict) -> dict:
             "num_speculative_tokens": (speculative or {}).get("num_speculative_tokens"),
             "concurrency": concurrency, "outputs": outputs, "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0, "counters": spec_counters,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "alignment_lines": log_lines}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "alignment_lines": log_lines,
+            "accepted_per_position": [a - b for a, b in zip(after_positions, before_positions)]}
 
 
 def _same_engine(spec: dict, runs: list[dict], key: str) -> list[dict]:
