@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "loads (lossless checkpoints; docs/serving.md)")
     export.add_argument("--out", required=True, help="the folder to write")
     export.add_argument("--layout", default=None, choices=("peagle", "dflash"),
-                        help="with --format vllm: the draft layout (default peagle: vLLM's eagle3 method, γ+1 drafts, "
-                             "the last a filler; dflash: its dflash method, γ drafts; docs/serving.md)")
+                        help="with --format vllm: the draft layout (default dflash: vLLM's dflash method, γ drafts; "
+                             "peagle: its eagle3 method with parallel drafting, γ+1 drafts, the last a filler; "
+                             "docs/serving.md)")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
     merge = sub.add_parser("merge", help="fold a peft LoRA adapter into its base (a base for lossless streams)")

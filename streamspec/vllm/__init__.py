@@ -7,6 +7,9 @@ p+1…p+K−1 that attend causally to what comes before them. That is the stream
 position p attends to the main keys ≤ p and to streams 1..j, at position p+j. The drafter
 (`streamspec.vllm.drafter`) runs copies of the base's top Ns layers over those rows: the accepted
 rows as main rows (their keys and values are the base's own), the mask rows as streams 1..K−1.
+A folder exported with ``--layout dflash`` runs behind vLLM's DFlash proposer instead
+(``"method": "dflash"``, `streamspec.vllm.dflash`): γ query rows are streams 1..γ and all K = γ
+drafts are theirs, with no filler draft to verify.
 
 This module is the plugin vLLM loads (entry point ``vllm.general_plugins``); it imports vLLM's
 registry only. `streamspec.vllm.export` writes the drafter folder (it needs no vLLM);

@@ -46,12 +46,12 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
-
-from .drafter import StreamsDrafter
-from .format import DFLASH, layout_aux_layers
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.mistral import MistralDecoderLayer
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
+
+from .drafter import StreamsDrafter
+from .format import DFLASH, layout_aux_layers
 
 logger = logging.getLogger(__name__)
 

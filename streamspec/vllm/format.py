@@ -15,9 +15,11 @@ ALIGNMENT_ENV = "STREAMSPEC_VLLM_ALIGNMENT"
 # The draft layouts a drafter folder is exported for (config.json's ``streamspec.layout``; a folder
 # without one is "peagle"): vLLM's EAGLE-3 parallel drafting, K = γ+1 drafts with the last a filler
 # (`streamspec.vllm.drafter`), or vLLM's DFlash proposer, K = γ drafts (`streamspec.vllm.dflash`).
+# The default is DFlash: the same drafts and acceptance without the filler's verified row, and
+# context rows that cost a key/value projection instead of Ns layers (docs/serving.md, measured).
 PEAGLE, DFLASH = "peagle", "dflash"
 LAYOUTS = (PEAGLE, DFLASH)
-DEFAULT_LAYOUT = PEAGLE
+DEFAULT_LAYOUT = DFLASH
 # the base facts a drafter records and refuses to run against another value of
 CHECKED = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 

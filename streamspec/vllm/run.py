@@ -15,7 +15,9 @@ Consecutive runs of the same model and drafter share one engine (started with ro
 largest concurrency among them; an engine's start costs more than most runs); a run of another
 model or drafter gets a fresh one. OUT holds, per run, each prompt's
 output token ids, the wall time of the decode, tokens/s, and vLLM's own speculative counters (read
-before and after the run, so runs on a shared engine count only their own).
+before and after the run, so runs on a shared engine count only their own), with the drafts
+accepted at each draft position. A streams run's folder picks vLLM's method by its layout
+(``streamspec export --format vllm --layout``: eagle3 with parallel drafting, or dflash).
 """
 
 from __future__ import annotations
