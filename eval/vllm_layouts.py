@@ -19,7 +19,7 @@ from pathlib import Path
 from streamspec.assets import default_model_path, load_default_tokenizer
 from streamspec.data.build import prompt_ids
 from streamspec.evaluation.benchmark import held_out_rows
-from streamspec.evaluation.vllm_layouts import COLUMNS, layout_rows, layout_runs
+from streamspec.evaluation.vllm_layouts import layout_rows, layout_runs, layout_table
 from streamspec.vllm.client import run_vllm
 from streamspec.vllm.export import export_for_vllm
 from streamspec.vllm.format import LAYOUTS
@@ -48,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(rows, indent=1))
     command = (f"python eval/vllm_layouts.py --limit {args.limit} --max-new-tokens {args.max_new_tokens} --rounds "
                f"{args.rounds} --out {args.out}")
-    table = {"title": f"The streams' draft layouts in vLLM: SmolLM2-135M fp32, shipped SQL streams, {args.limit} "
-                      "held-out Spider questions", "command": command, "machine": args.machine,
-             "date": datetime.date.today().isoformat(), "columns": COLUMNS, "rows": rows}
+    table = layout_table(rows, limit=args.limit, command=command, machine=args.machine,
+                         date=datetime.date.today().isoformat(), new_tokens=args.max_new_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(table, indent=2) + "\n")
     print(args.out)

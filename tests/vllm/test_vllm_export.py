@@ -206,6 +206,7 @@ def test_the_layout_comparison_rows():
     assert rows[("dflash", 1)]["x_vllm"] == 2.0 and rows[("peagle", 8)]["x_vllm"] == 1.25
     assert rows[("peagle", 1)]["mean_acceptance_length"] == 2.2
     assert rows[("peagle", 1)]["acceptance_per_position"] == [0.6, 0.4, 0.2, 0.0]
+    assert rows[("dflash", 8)]["accepted_by_position"] == "60.0% / 40.0% / 20.0%"
     assert rows[("dflash", 1)]["identical"] and not rows[("dflash", 8)]["identical"]
     with pytest.raises(ValueError, match="no plain vLLM run at concurrency 1 to compare the .peagle. rows"):
         layout_rows(runs[2:4], [result(r) for r in runs[2:4]])
