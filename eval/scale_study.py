@@ -1,18 +1,21 @@
 """Train a study's points (`streamspec.training.study`: data scaling, capacity) one after another,
-each resumable, evaluate each point's chain on held-out prompts, and print the table.
+each resumable, measure each point's chain on held-out prompts
+(`streamspec.evaluation.study.evaluate_chain`), and print the table.
 
     python eval/scale_study.py --study sql-data --out runs/study-sql
     python eval/scale_study.py --study sql-capacity --out runs/study-sql --points rank-128 full-rank
 
 A stopped study continues with the same command (finished points are kept, a point with a
-checkpoint resumes from it). Run it from the repository root: the recipes' data folders are
-relative to it.
+checkpoint resumes from it, a measured point is not measured again). Run it from the repository
+root: the recipes' data folders are relative to it.
 """
 
 import argparse
 import sys
 
-from streamspec.training.study import STUDIES, run_study
+from streamspec.evaluation.capacity import capacity_table
+from streamspec.evaluation.study import evaluate_chain
+from streamspec.training.study import STUDIES, train_study
 
 
 def main() -> None:
@@ -21,10 +24,15 @@ def main() -> None:
     parser.add_argument("--out", default="runs/study-sql", help="where each point's folder goes")
     parser.add_argument("--points", nargs="+", default=None, help="only these points (default: every one)")
     parser.add_argument("--no-eval", action="store_true", help="train only")
-    parser.add_argument("--limit", type=int, default=30, help="held-out prompts each point is evaluated on")
+    parser.add_argument("--task", default="sql", help="the held-out prompts each point is measured on")
+    parser.add_argument("--limit", type=int, default=30, help="held-out prompts each point is measured on")
     args = parser.parse_args()
     try:
-        print(run_study(args.study, args.out, args.points, evaluate=not args.no_eval, limit=args.limit))
+        study, points, runs = train_study(args.study, args.out, args.points)
+        evals = None if args.no_eval else [
+            evaluate_chain(run / "final", run.parent / f"eval-{point.name}", args.task, args.limit)
+            for point, run in zip(points, runs)]
+        print(f"{study.about}\n\n{capacity_table(runs, evals)}")
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"scale_study: error: {err}")
 

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [prompt_ids(tokenizer, row)[0].tolist() for row in held_out_rows("sql")[:args.limit]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = str(export_for_vllm(CHECKPOINT, tmp))
+        folder = str(export_for_vllm(CHECKPOINT, tmp, layout="peagle"))  # its K = 2, 3, 4: the P-EAGLE layout
         for threads in args.threads:
             spec = {"model": str(default_model_path()), "prompts": prompts, "max_tokens": args.max_new_tokens,
                     "runs": runs(folder)}

@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="streamspec: a streamed checkpoint; vllm: the drafter folder vLLM's speculative config "
                              "loads (lossless checkpoints; docs/serving.md)")
     export.add_argument("--out", required=True, help="the folder to write")
+    export.add_argument("--layout", default=None, choices=("peagle", "dflash"),
+                        help="with --format vllm: the draft layout (default dflash: vLLM's dflash method, γ drafts; "
+                             "peagle: its eagle3 method with parallel drafting, γ+1 drafts, the last a filler; "
+                             "docs/serving.md)")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
     merge = sub.add_parser("merge", help="fold a peft LoRA adapter into its base (a base for lossless streams)")
@@ -327,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         check_distill_args(parser, args)
     if args.command == "export" and args.format == "vllm" and args.merge:
         parser.error("--merge writes a self-contained streamed checkpoint; a vLLM drafter never holds the base")
+    if args.command == "export" and args.format != "vllm" and args.layout:
+        parser.error("--layout is the vLLM drafter's draft layout: it goes with --format vllm")
     try:
         return _run(args)
     except Exception as err:  # one line for the user; --debug (or STREAMSPEC_DEBUG=1) for the traceback
@@ -359,7 +365,9 @@ def _run(args) -> int:
         if args.format == "vllm":
             from .vllm.export import export_for_vllm, serve_command
 
-            target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype)
+            from .vllm.format import DEFAULT_LAYOUT
+
+            target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype, layout=args.layout or DEFAULT_LAYOUT)
             print(target)
             print("serve it with:", serve_command(target), file=sys.stderr)
         else:

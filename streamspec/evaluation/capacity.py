@@ -106,3 +106,4 @@ def capacity_table(runs: list[Path], evals: list[Path | None] | None = None) -> 
     for run, folder in zip(runs, evals):
         lines += run_rows(Path(run), Path(folder) if folder is not None else None)
     return "\n".join(lines)
+

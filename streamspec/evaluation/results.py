@@ -182,24 +182,30 @@ def write_figures(results: dict[str, dict], folder: str | Path) -> list[Path]:
 
 
 def _positions_figure(result: dict, path: Path) -> Path:
-    """One line per row with ``acceptance_per_position``: the share of steps whose draft at each
-    position was accepted (labelled by method and, when there, requests at once)."""
+    """One line per row with ``acceptance_per_position`` at the table's lowest concurrency (the
+    rates hardly move with it): the share of steps whose draft at each position was accepted."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r.get("acceptance_per_position")]
     if not rows:
         raise ResultError(f"{result.get('name', 'a result')}.json: 'plot_positions' is set but no row has "
                           "'acceptance_per_position'")
+    lowest = min(r.get("concurrency", 1) for r in rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
+    longest = 1
+    for row in (r for r in rows if r.get("concurrency", 1) == lowest):
         shares = row["acceptance_per_position"]
-        label = row.get("method", "?") + (f" ×{row['concurrency']}" if row.get("concurrency", 1) != 1 else "")
-        ax.plot(range(1, len(shares) + 1), shares, marker="o", label=label)
+        longest = max(longest, len(shares))
+        ax.plot(range(1, len(shares) + 1), shares, marker="o", label=str(row.get("method") or row.get("row") or "?"))
+    ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("share of steps accepting it")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
-    ax.set_title(f"{result['title']}\n{result['machine']}, {result['threads']} thread(s), {result['date']}", fontsize=9)
+    heading = f"{result['title']} ({lowest} request{'s' if lowest != 1 else ''} at once); {result['machine']}, {result['date']}"
+    ax.set_title("\n".join(textwrap.wrap(heading, 95)), fontsize=8)
     return _save(fig, path)
 
 

@@ -1,11 +1,11 @@
-"""Studies: a recipe trained at several points (recipe overrides), each point resumable, then the
-chain's held-out CRR of each, so that what the next run should change (more data, more capacity)
-is read from a table (`streamspec.evaluation.capacity.capacity_table`).
+"""Studies: a recipe trained at several points (recipe overrides), each point resumable; with
+each point's chain measured on held-out prompts (`streamspec.evaluation.study.evaluate_chain`),
+what the next run should change (more data, more capacity) is read from one table
+(`streamspec.evaluation.capacity.capacity_table`).
 
 A point's folder is ``OUT/NAME``. A point whose training finished (``training_summary.json``) is
 not trained again; one with a complete checkpoint resumes from it (a study stopped anywhere, on
-any machine with its folders, continues with the same command); its evaluation
-(``OUT/eval-NAME/benchmark.json``) is also kept.
+any machine with its folders, continues with the same command).
 
     python eval/scale_study.py --study sql-data --out runs/study-sql
 """
@@ -100,28 +100,10 @@ def train_point(study: Study, point: Point, out: Path, recipe_root: Path = Path(
     return folder
 
 
-def evaluate_point(point: Point, out: Path, task: str = "sql", limit: int = 30, max_new_tokens: int = 128) -> Path:
-    """The chain's CRR, ms a pass and speedup on `limit` held-out prompts of `task` (kept once done)."""
-    from ..evaluation.benchmark import run_benchmark
-
-    folder = out / f"eval-{point.name}"
-    if (folder / "benchmark.json").is_file():
-        return folder
-    run_benchmark(str(out / point.name / "final"), task=task, limit=limit, tree_top_k=1, thresholds=(),
-                  lookup=None, tree_budget=None, max_new_tokens=max_new_tokens, out_dir=str(folder), peers=(),
-                  skip=("baseline_default_kernels", "streamed_ar", "tree"))
-    return folder
-
-
-def run_study(name: str, out: str | Path, only: list[str] | None = None, evaluate: bool = True,
-              task: str = "sql", limit: int = 30, recipe_root: Path = Path(".")) -> str:
-    """Train (and evaluate) a study's points in order; returns its table."""
-    from ..evaluation.capacity import capacity_table
-
+def train_study(name: str, out: str | Path, only: list[str] | None = None,
+                recipe_root: Path = Path(".")) -> tuple[Study, list[Point], list[Path]]:
+    """Train a study's points in order (each resumed or kept as above); the study, its points and
+    their output folders."""
     study, points = study_points(name, only)
     out = Path(out)
-    runs, evals = [], []
-    for point in points:
-        runs.append(train_point(study, point, out, recipe_root))
-        evals.append(evaluate_point(point, out, task, limit) if evaluate else None)
-    return f"{study.about}\n\n" + capacity_table(runs, evals)
+    return study, points, [train_point(study, point, out, recipe_root) for point in points]

@@ -7,6 +7,9 @@ p+1…p+K−1 that attend causally to what comes before them. That is the stream
 position p attends to the main keys ≤ p and to streams 1..j, at position p+j. The drafter
 (`streamspec.vllm.drafter`) runs copies of the base's top Ns layers over those rows: the accepted
 rows as main rows (their keys and values are the base's own), the mask rows as streams 1..K−1.
+A folder exported with ``--layout dflash`` runs behind vLLM's DFlash proposer instead
+(``"method": "dflash"``, `streamspec.vllm.dflash`): γ query rows are streams 1..γ and all K = γ
+drafts are theirs, with no filler draft to verify.
 
 This module is the plugin vLLM loads (entry point ``vllm.general_plugins``); it imports vLLM's
 registry only. `streamspec.vllm.export` writes the drafter folder (it needs no vLLM);
@@ -22,11 +25,29 @@ ARCHITECTURES = {
     "qwen2": "Eagle3Qwen2StreamsDrafter",
     "mistral": "Eagle3MistralStreamsDrafter",
 }
+# the same for the DFlash layout (``"method": "dflash"``, `streamspec.vllm.dflash`); vLLM renames a
+# DFlash draft architecture to ``DFlash<name>`` unless it starts with that prefix
+DFLASH_ARCHITECTURES = {model_type: "DFlash" + name.removeprefix("Eagle3") for model_type, name in ARCHITECTURES.items()}
 _CLASSES = {
-    "Eagle3LlamaStreamsDrafter": "LlamaStreamsDrafter",
-    "Eagle3Qwen2StreamsDrafter": "Qwen2StreamsDrafter",
-    "Eagle3MistralStreamsDrafter": "MistralStreamsDrafter",
+    "Eagle3LlamaStreamsDrafter": "drafter:LlamaStreamsDrafter",
+    "Eagle3Qwen2StreamsDrafter": "drafter:Qwen2StreamsDrafter",
+    "Eagle3MistralStreamsDrafter": "drafter:MistralStreamsDrafter",
+    "DFlashLlamaStreamsDrafter": "dflash:DFlashLlamaStreamsDrafter",
+    "DFlashQwen2StreamsDrafter": "dflash:DFlashQwen2StreamsDrafter",
+    "DFlashMistralStreamsDrafter": "dflash:DFlashMistralStreamsDrafter",
 }
+# a folder served with the other layout's method arrives under vLLM's renamed architecture: the
+# class of that method, which refuses the folder naming the method it needs
+_CLASSES.update({"DFlash" + name: _CLASSES["DFlash" + name.removeprefix("Eagle3")] for name in ARCHITECTURES.values()})
+_CLASSES.update({"Eagle3" + name: _CLASSES["Eagle3" + name.removeprefix("DFlash")]
+                 for name in DFLASH_ARCHITECTURES.values()})
+
+
+def architecture(model_type: str, layout: str) -> str:
+    """The architecture a drafter folder of `layout` names for a base of `model_type`."""
+    from .format import PEAGLE, check_layout
+
+    return (ARCHITECTURES if check_layout(layout) == PEAGLE else DFLASH_ARCHITECTURES)[model_type]
 
 
 def register() -> None:
@@ -35,6 +56,6 @@ def register() -> None:
     from vllm import ModelRegistry
 
     supported = set(ModelRegistry.get_supported_archs())
-    for arch, cls in _CLASSES.items():
+    for arch, target in _CLASSES.items():
         if arch not in supported:
-            ModelRegistry.register_model(arch, f"streamspec.vllm.drafter:{cls}")
+            ModelRegistry.register_model(arch, f"streamspec.vllm.{target}")

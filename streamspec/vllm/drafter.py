@@ -53,7 +53,7 @@ from vllm.model_executor.models.mistral import MistralDecoderLayer
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
-from .format import ALIGNMENT_ENV, DRAFTER_FORMAT, check_target
+from .format import ALIGNMENT_ENV, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
     subclass per base family names the decoder layer class."""
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    layout = PEAGLE
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
@@ -133,15 +134,11 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
                              "no 'streamspec' section): write one with `streamspec export --format vllm`")
         target = vllm_config.model_config.hf_config
         check_target(facts, target, vllm_config.model_config.get_total_num_hidden_layers())
+        check_folder_layout(facts, self.layout)
         self.facts = facts
         self.num_streams = int(facts["num_streams"])
-        drafts = self.num_drafts = spec.num_speculative_tokens
-        if not spec.parallel_drafting:
-            raise ValueError('the streams drafter drafts all its tokens in one pass: set "parallel_drafting": true '
-                             "in --speculative-config")
-        if not 2 <= drafts <= self.num_streams + 1:
-            raise ValueError(f"num_speculative_tokens must be 2..{self.num_streams + 1} for streams with γ = "
-                             f"{self.num_streams} (γ+1 = {self.num_streams + 1} uses every stream), got {drafts}")
+        self.num_drafts = spec.num_speculative_tokens
+        self._check_speculative_config(spec)
         self.config.draft_vocab_size = self.config.vocab_size
         # vLLM's layers index the config's per-layer attention kinds relative to the target's layers
         self.config.target_layer_count = int(facts["num_hidden_layers"])
@@ -173,6 +170,15 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         self.register_buffer("mask_hidden", torch.full((1, hidden), float("nan"), dtype=dtype), persistent=False)
         self._base_checked = False
         self._alignment_log = os.environ.get(ALIGNMENT_ENV)
+
+    def _check_speculative_config(self, spec) -> None:
+        """Refuse settings this layout cannot draft with (`streamspec.vllm.dflash` has its own)."""
+        if not spec.parallel_drafting:
+            raise ValueError('the streams drafter drafts all its tokens in one pass: set "parallel_drafting": true '
+                             "in --speculative-config")
+        if not 2 <= self.num_drafts <= self.num_streams + 1:
+            raise ValueError(f"num_speculative_tokens must be 2..{self.num_streams + 1} for streams with γ = "
+                             f"{self.num_streams} (γ+1 = {self.num_streams + 1} uses every stream), got {self.num_drafts}")
 
     def _make_layer(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         return self.decoder_layer(vllm_config, prefix=prefix, config=self.config)

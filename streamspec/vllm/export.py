@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import ARCHITECTURES
-from .format import CHECKED, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, recommended_drafts
+from . import ARCHITECTURES, architecture
+from .format import (CHECKED, DEFAULT_LAYOUT, DFLASH, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, PEAGLE, check_layout,
+                     layout_aux_layers, recommended_drafts, speculative_method)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -43,13 +44,15 @@ def drafter_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
 
 
-def drafter_config(model, base_name: str | None) -> dict:
-    """config.json of the drafter folder for a `StreamedModel` (see the module docstring)."""
+def drafter_config(model, base_name: str | None, layout: str = DEFAULT_LAYOUT) -> dict:
+    """config.json of the drafter folder for a `StreamedModel` (see the module docstring), for
+    `layout` ("peagle": vLLM's eagle3 method with parallel drafting; "dflash": its dflash method,
+    which also reads the target's states entering every copied layer)."""
     from ..patch.saving import base_fingerprint
 
     hf = model.hf_model.config
     cfg = model.stream_config
-    arch = ARCHITECTURES[hf.model_type]
+    arch = architecture(hf.model_type, check_layout(layout))
     first = model.num_lower_layers
     out = hf.to_dict()
     out.pop("quantization_config", None)
@@ -57,9 +60,11 @@ def drafter_config(model, base_name: str | None) -> dict:
     out["num_hidden_layers"] = cfg.stream_layers
     if isinstance(out.get("layer_types"), list):
         out["layer_types"] = out["layer_types"][first:]
-    out["eagle_aux_hidden_state_layer_ids"] = [first]
+    out["eagle_aux_hidden_state_layer_ids"] = layout_aux_layers(layout, first, cfg.stream_layers)
     mask = hf.pad_token_id if isinstance(hf.pad_token_id, int) else 0
     out["mask_token_id"] = mask
+    if layout == DFLASH:  # causal attention among the query rows, as the streams were trained
+        out["dflash_config"] = {"mask_token_id": mask, "causal": True}
     facts = {name: getattr(hf, name, None) for name in CHECKED}
     out["streamspec"] = {
         "format": DRAFTER_FORMAT,
@@ -69,7 +74,8 @@ def drafter_config(model, base_name: str | None) -> dict:
         "first_layer": first,
         "stream_adapter_rank": cfg.stream_adapter_rank,
         "mask_token_id": mask,
-        "num_speculative_tokens": recommended_drafts(cfg.num_streams),
+        "layout": layout,
+        "num_speculative_tokens": recommended_drafts(cfg.num_streams, layout),
         "base_name": base_name,
         "base_fingerprint": base_fingerprint(model.hf_model),
         **facts,
@@ -94,12 +100,14 @@ def check_exportable(stream_config, model_type: str) -> None:
                               f"{model_type!r}")
 
 
-def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.dtype | None = None) -> Path:
-    """Write the vLLM drafter folder for a lossless streamed checkpoint into `out`; returns it.
+def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.dtype | None = None,
+                    layout: str = DEFAULT_LAYOUT) -> Path:
+    """Write the vLLM drafter folder for a lossless streamed checkpoint into `out`, for `layout`
+    (`streamspec.vllm.format.LAYOUTS`); returns it.
 
-    Serve it with ``vllm serve BASE --speculative-config '{"method": "eagle3", "model": OUT,
-    "num_speculative_tokens": γ+1, "parallel_drafting": true}'`` after ``pip install streamspec``
-    in vLLM's environment (docs/serving.md)."""
+    Serve it with the line `serve_command` prints (docs/serving.md), after ``pip install
+    streamspec`` in vLLM's environment."""
+    check_layout(layout)
     from ..config import StreamConfig
     from ..devices import dtype_or_base
     from ..patch.checkpoint import checkpoint_folder, load_streamed, read_checkpoint_meta, recorded_base
@@ -111,7 +119,7 @@ def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.
     base_name = recorded_base(folder, meta)
     model = load_streamed(folder, dtype=dtype_or_base(dtype, base_name))
     tensors = drafter_tensors(model)
-    config = drafter_config(model, meta.get("base_model", {}).get("name_or_path") or base_name)
+    config = drafter_config(model, meta.get("base_model", {}).get("name_or_path") or base_name, layout)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -147,8 +155,11 @@ def serve_command(folder: str | Path) -> str:
     """The ``vllm serve`` command line for a drafter folder (its base and recommended K)."""
     config = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
     facts = config["streamspec"]
-    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": facts["num_speculative_tokens"],
-            "parallel_drafting": True}
+    layout = facts.get("layout", PEAGLE)
+    spec = {"method": speculative_method(layout), "model": str(folder),
+            "num_speculative_tokens": facts["num_speculative_tokens"]}
+    if layout == PEAGLE:
+        spec["parallel_drafting"] = True
     base = facts.get("base_name") or "BASE"
     if base.startswith("streamspec:"):  # a built-in model: vLLM loads its converted folder
         from ..assets import builtin_model_path

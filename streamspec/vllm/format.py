@@ -12,6 +12,14 @@ DRAFTER_FORMAT_VERSION = 1
 # when the layer id, the copied weights, the cache and the positions are right); one JSON line a
 # pass is appended: {"checked": n, "agreed": m, "positions_ok": bool, "passes": [[p, drafts], ...]}.
 ALIGNMENT_ENV = "STREAMSPEC_VLLM_ALIGNMENT"
+# The draft layouts a drafter folder is exported for (config.json's ``streamspec.layout``; a folder
+# without one is "peagle"): vLLM's EAGLE-3 parallel drafting, K = γ+1 drafts with the last a filler
+# (`streamspec.vllm.drafter`), or vLLM's DFlash proposer, K = γ drafts (`streamspec.vllm.dflash`).
+# The default is DFlash: the same drafts and acceptance without the filler's verified row, and
+# context rows that cost a key/value projection instead of Ns layers (docs/serving.md, measured).
+PEAGLE, DFLASH = "peagle", "dflash"
+LAYOUTS = (PEAGLE, DFLASH)
+DEFAULT_LAYOUT = DFLASH
 # the base facts a drafter records and refuses to run against another value of
 CHECKED = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
 
@@ -36,7 +44,37 @@ def check_target(facts: dict[str, Any], target_config, target_layers: int) -> No
                          f"vLLM serves ({details}): export it from a checkpoint trained on the served model")
 
 
-def recommended_drafts(num_streams: int) -> int:
-    """``num_speculative_tokens`` that uses every stream: γ+1 (the row at the last accepted
-    position and γ mask rows, one per stream; see `streamspec.vllm.drafter`)."""
-    return num_streams + 1
+def recommended_drafts(num_streams: int, layout: str = PEAGLE) -> int:
+    """``num_speculative_tokens`` that uses every stream: γ+1 in the P-EAGLE layout (the row at the
+    last accepted position and γ mask rows, one per stream; see `streamspec.vllm.drafter`), γ in
+    the DFlash layout (one draft per stream; `streamspec.vllm.dflash`)."""
+    return num_streams + 1 if layout == PEAGLE else num_streams
+
+
+def check_layout(layout: str) -> str:
+    """`layout` when it is one the drafter runs in; raises naming those otherwise."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
+def layout_aux_layers(layout: str, first: int, stream_layers: int) -> list[int]:
+    """The target layers whose input vLLM hands the drafter: N−Ns alone in the P-EAGLE layout (the
+    drafter runs its layers over the accepted rows itself), N−Ns…N−1 in the DFlash layout (each
+    layer's keys and values of the accepted rows come from the target's own states)."""
+    return [first] if check_layout(layout) == PEAGLE else list(range(first, first + stream_layers))
+
+
+def speculative_method(layout: str) -> str:
+    """vLLM's speculative ``method`` that runs a drafter folder of `layout`."""
+    return {PEAGLE: "eagle3", DFLASH: "dflash"}[check_layout(layout)]
+
+
+def check_folder_layout(facts: dict[str, Any], layout: str) -> None:
+    """Refuse a drafter folder exported for another layout than the drafter vLLM built for it (the
+    speculative ``method`` picks the class), naming the method the folder needs."""
+    exported = facts.get("layout", PEAGLE)
+    if exported != layout:
+        raise ValueError(f"the drafter folder was exported for the {exported!r} layout, which vLLM runs with "
+                         f'"method": "{speculative_method(exported)}"; it was started with "method": '
+                         f'"{speculative_method(layout)}" (streamspec.vllm.run picks the method from the folder)')

@@ -15,7 +15,9 @@ Consecutive runs of the same model and drafter share one engine (started with ro
 largest concurrency among them; an engine's start costs more than most runs); a run of another
 model or drafter gets a fresh one. OUT holds, per run, each prompt's
 output token ids, the wall time of the decode, tokens/s, and vLLM's own speculative counters (read
-before and after the run, so runs on a shared engine count only their own).
+before and after the run, so runs on a shared engine count only their own), with the drafts
+accepted at each draft position. A streams run's folder picks vLLM's method by its layout
+(``streamspec export --format vllm --layout``: eagle3 with parallel drafting, or dflash).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import time
 
 from .client import SUFFIX_DECODING_MISSING
-from .format import ALIGNMENT_ENV
+from .format import ALIGNMENT_ENV, PEAGLE, speculative_method
 
 # vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -66,12 +68,13 @@ def speculative_config(run: dict) -> dict | None:
     if drafter == "suffix":
         return {"method": "suffix", **{k: run.get(k, v) for k, v in SUFFIX_DEFAULTS.items()}}
     if drafter == "streams":
-        config = {"method": "eagle3", "model": run["folder"], "parallel_drafting": True}
-        if run.get("num_speculative_tokens"):
-            config["num_speculative_tokens"] = run["num_speculative_tokens"]
-        else:  # the folder's recommendation: every stream drafts
-            with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
-                config["num_speculative_tokens"] = json.load(f)["streamspec"]["num_speculative_tokens"]
+        with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
+            facts = json.load(f)["streamspec"]
+        # the folder's layout picks vLLM's method (streamspec.vllm.format.LAYOUTS)
+        config = {"method": speculative_method(facts.get("layout", PEAGLE)), "model": run["folder"],
+                  "parallel_drafting": True}
+        # default: the folder's recommendation, every stream drafts
+        config["num_speculative_tokens"] = run.get("num_speculative_tokens") or facts["num_speculative_tokens"]
         return config
     if drafter in PEER_DRAFTERS:
         folder = check_drafter_folder(drafter, run.get("folder"))

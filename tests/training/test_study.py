@@ -9,7 +9,8 @@ import pytest
 
 from streamspec.training import study as study_module
 from streamspec.training import trainer as trainer_module
-from streamspec.training.study import STUDIES, Point, Study, point_overrides, run_study, study_points
+from streamspec.evaluation.capacity import capacity_table
+from streamspec.training.study import STUDIES, Point, Study, point_overrides, study_points, train_study
 
 
 def _rows(path, count):
@@ -36,16 +37,17 @@ def test_a_study_trains_each_point_once_and_resumes_a_stopped_one(tiny_dir, tmp_
 
     monkeypatch.setattr(trainer_module, "run_training", recorded)
     out = tmp_path / "study"
-    table = run_study("tiny", out, evaluate=False)
-    assert [c[1] for c in calls] == [False, False] and table.startswith("a tiny study")
+    _, points, runs = train_study("tiny", out)
+    assert [c[1] for c in calls] == [False, False] and runs == [out / "half", out / "all"]
+    table = capacity_table(runs)
     assert "data 50%" in table and len([line for line in table.splitlines() if line.startswith("| streams")]) == 2
 
     calls.clear()
-    assert run_study("tiny", out, evaluate=False) == table and calls == []  # finished points are kept
+    assert train_study("tiny", out)[2] == runs and calls == [] and capacity_table(runs) == table  # kept
 
     (out / "all" / "training_summary.json").unlink()  # a point stopped after its first checkpoint
     shutil.rmtree(out / "all" / "checkpoint-2")
-    run_study("tiny", out, ["all"], evaluate=False)
+    train_study("tiny", out, ["all"])
     assert calls == [(str(out / "all"), True)]  # resumed from checkpoint-1
     state = json.loads((out / "all" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
@@ -69,3 +71,20 @@ def test_study_names_and_points_are_checked():
         for point in study.points:  # every point is a valid recipe
             recipe = load_recipe(study.recipe, point_overrides(point, Path("runs/x")))
             assert recipe.training.output_dir == f"runs/x/{point.name}" and recipe.training.init_from is None
+
+
+def test_a_point_is_measured_once_on_held_out_prompts(tiny_dir, tmp_path, single_thread):
+    from streamspec.evaluation.study import evaluate_chain
+    from streamspec.training.recipe import load_recipe
+    from streamspec.training.trainer import run_training
+
+    run = tmp_path / "point"
+    run_training(load_recipe(study_module.SQL_SCALE, [
+        f"model.name_or_path={tiny_dir}", "model.dtype=float32", "training.init_from=null", "training.report_to=none",
+        "training.max_steps=1", f"training.output_dir={run}", "data.cache_activations=false", "data.max_length=128",
+        f"data.path=[{_rows(tmp_path / 'train.jsonl', 4)}]", f"data.validation_path={_rows(tmp_path / 'val.jsonl', 2)}"]))
+    folder = evaluate_chain(run / "final", tmp_path / "eval-point", limit=1, max_new_tokens=4)
+    made = (folder / "benchmark.json").stat().st_mtime_ns
+    assert evaluate_chain(run / "final", folder, limit=1) == folder and (folder / "benchmark.json").stat().st_mtime_ns == made
+    row = [line for line in capacity_table([run], [folder]).splitlines() if line.startswith("| streams")][-1]
+    assert "–" not in row.split("|")[-4]  # the held-out CRR column is filled

@@ -50,7 +50,7 @@ def tiny_streams(root: Path, arch: str, seed: int = 0) -> tuple[Path, Path]:
         for p in model.streams.parameters():
             p.normal_(0, 0.3)
     model.save_pretrained(root / f"{arch}-{seed}-streams")
-    return base, export_for_vllm(root / f"{arch}-{seed}-streams", root / f"{arch}-{seed}-drafter")
+    return base, export_for_vllm(root / f"{arch}-{seed}-streams", root / f"{arch}-{seed}-drafter", layout="peagle")
 
 
 def read_log(path: Path) -> list[dict]:
@@ -123,6 +123,20 @@ def tiny_peer_drafters(root: Path, base: Path, prompts: list[list[int]]) -> dict
 
 
 ARCHS = ("llama", "qwen2", "mistral")
+DFLASH_ARCHS = ("llama", "qwen2")  # Mistral's layers are Llama's
+
+
+def batched_agreement(model, prompts: list[list[int]], outputs: list[list[int]], logged: list) -> tuple[int, int]:
+    """How many logged passes of requests decoded together ([p, drafts], the request unnamed) equal
+    streamspec's own stream predictions at p of one of the texts: a drafter that took another
+    request's state, or another position's, drafts what no text's streams predict there."""
+    predictions = []
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            predictions.append(model(torch.tensor([prompt + output]), streams_at="all").stream_logits[0].argmax(-1))
+    same = sum(any(p < streams.shape[0] and streams[p, :len(drafts)].tolist() == drafts for streams in predictions)
+               for p, drafts in logged)
+    return same, len(logged)
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +160,10 @@ def tiny(tmp_path_factory):
         runs += [{"model": str(base), "drafter": "none", "name": f"{arch}-plain"},
                  {"model": str(base), "drafter": "streams", "folder": str(drafter), "name": f"{arch}-streams"}]
     runs.append({"model": str(folders["llama"][0]), "drafter": "streams", "folder": str(wrong), "name": "wrong-layer"})
+    for arch in DFLASH_ARCHS:  # the DFlash layout: one engine, one request at a time then all three at once
+        dflash = export_for_vllm(root / f"{arch}-0-streams", root / f"{arch}-0-dflash", layout="dflash")
+        runs += [{"model": str(folders[arch][0]), "drafter": "streams", "folder": str(dflash), "name": f"{arch}-dflash",
+                  "concurrency": n} for n in (1, 3)]
     try:  # without arctic-inference the suffix test fails, saying so, and the others still run
         check_suffix_decoding()
         runs.append({"model": str(folders["llama"][0]), "drafter": "suffix", "name": "llama-suffix"})
@@ -169,9 +187,17 @@ def tiny(tmp_path_factory):
         arch_log, start = run_records(records, done, 2 * i + 1)
         results[arch] = dict(base=folders[arch][0], drafter=folders[arch][1], runs=done[2 * i:2 * i + 2], log=arch_log,
                              log_start=start, full_log=records, prompts=prompts, root=root)
-    by_name = {run["name"]: i for i, run in enumerate(done)}
+    by_name = {}
+    for i, run in enumerate(done):
+        by_name.setdefault(run["name"], i)
     results["wrong_layer"] = dict(run=done[by_name["wrong-layer"]],
                                   log=run_records(records, done, by_name["wrong-layer"])[0])
+    results["dflash"] = {}
+    for arch in DFLASH_ARCHS:
+        index = by_name[f"{arch}-dflash"]  # the first of the two runs of that name
+        results["dflash"][arch] = dict(one=done[index], batched=done[index + 1],
+                                       log_one=run_records(records, done, index),
+                                       log_batched=run_records(records, done, index + 1)[0])
     results["suffix"] = dict(run=done[by_name["llama-suffix"]] if not suffix_missing else None,
                              plain=done[by_name["llama-plain"]], missing=suffix_missing)
     results["trained"] = dict(runs={m: done[by_name[f"llama-{m}"]] for m in ("eagle3", "peagle")
@@ -197,6 +223,32 @@ def test_tiny_bases_decode_identically_with_the_streams_drafting(tiny, arch):
                                                     tiny[arch]["log_start"]))
     assert total >= 3 * NEW_TOKENS // 2  # (γ drafts a pass)
     assert same == total
+
+
+@pytest.mark.parametrize("arch", DFLASH_ARCHS)
+def test_the_dflash_layout_drafts_gamma_tokens_from_the_streams(tiny, arch):
+    """vLLM's DFlash proposer with the streams (``--layout dflash``): γ drafts a step, no filler,
+    outputs identical to vLLM without speculation one request at a time and three at once, every
+    request's main state found at its last accepted position, and every draft equal to streamspec's
+    own stream predictions, as in the P-EAGLE layout."""
+    plain = tiny[arch]["runs"][0]
+    one, batched = tiny["dflash"][arch]["one"], tiny["dflash"][arch]["batched"]
+    assert one["num_speculative_tokens"] == 3 and batched["concurrency"] == 3
+    assert one["outputs"] == plain["outputs"] and batched["outputs"] == plain["outputs"]
+    assert one["counters"]["vllm:spec_decode_num_drafts"] > 0 and len(one["acceptance_per_position"]) == 3
+    log_one, start = tiny["dflash"][arch]["log_one"]
+    log_batched = tiny["dflash"][arch]["log_batched"]
+    check_alignment(log_one)
+    check_alignment(log_batched)
+    assert max(r["checked"] for r in log_batched) > 1  # requests drafted together
+    model = load_streamed(tiny[arch]["root"] / f"{arch}-0-streams")
+    prompts = tiny[arch]["prompts"]
+    same, total = drafts_agreement(model, prompts, one["outputs"],
+                                   passes_by_prompt(tiny[arch]["full_log"], one["alignment_lines"], start))
+    assert total >= 3 * NEW_TOKENS and same == total
+    same, total = batched_agreement(model, prompts, batched["outputs"],
+                                    [entry for record in log_batched for entry in record["passes"]])
+    assert total >= NEW_TOKENS and same == total
 
 
 def test_a_drafter_fed_the_wrong_layer_is_caught(tiny):

@@ -40,7 +40,7 @@ def streamed_checkpoint(tmp_path, arch: str, seed: int = 0, **config) -> tuple:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_export_writes_the_top_layers_norm_streams_and_adapters(tmp_path, arch):
     _, ckpt, model = streamed_checkpoint(tmp_path, arch)
-    out = export_for_vllm(ckpt, tmp_path / "drafter")
+    out = export_for_vllm(ckpt, tmp_path / "drafter", layout="peagle")
     config = check_drafter_folder(out)
     facts = config["streamspec"]
     hf = model.hf_model.config
@@ -101,8 +101,16 @@ def test_export_command(tmp_path, capsys):
     _, ckpt, _ = streamed_checkpoint(tmp_path, "mistral")
     assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(tmp_path / "v")]) == 0
     captured = capsys.readouterr()
-    assert captured.out.strip() == str(tmp_path / "v")
-    assert '"parallel_drafting": true' in captured.err and '"num_speculative_tokens": 4' in captured.err
+    assert captured.out.strip() == str(tmp_path / "v")  # the default layout: DFlash, γ drafts
+    assert '"method": "dflash"' in captured.err and '"num_speculative_tokens": 3' in captured.err
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--layout", "peagle", "--out",
+                 str(tmp_path / "p")]) == 0
+    captured = capsys.readouterr()
+    assert '"method": "eagle3"' in captured.err and '"parallel_drafting": true' in captured.err
+    assert '"num_speculative_tokens": 4' in captured.err
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", str(ckpt), "--layout", "dflash", "--out", str(tmp_path / "s")])
+    assert "--layout is the vLLM drafter's draft layout" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--merge", "--out", str(tmp_path / "w")])
     assert "--merge" in capsys.readouterr().err
@@ -140,3 +148,81 @@ def test_the_vllm_rows_become_a_docs_result_file(tmp_path):
         "v_acceptance_per_position.png"]
     with pytest.raises(ValueError, match="no vLLM rows"):
         result_table({"baseline": {"tokens_per_second": 1.0}})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_dflash_layout_folder(tmp_path, arch):
+    """``--layout dflash``: the same tensors as the P-EAGLE folder; vLLM's dflash method, the
+    target's states entering every copied layer, causal query rows, γ drafts a step."""
+    from streamspec.vllm import DFLASH_ARCHITECTURES
+    from streamspec.vllm.export import serve_command
+    from streamspec.vllm.run import speculative_config
+
+    _, ckpt, model = streamed_checkpoint(tmp_path, arch)
+    peagle = export_for_vllm(ckpt, tmp_path / "peagle", layout="peagle")
+    dflash = export_for_vllm(ckpt, tmp_path / "dflash", layout="dflash")
+    config, facts = check_drafter_folder(dflash), check_drafter_folder(peagle)["streamspec"]
+    assert config["architectures"] == [DFLASH_ARCHITECTURES[arch]] != [ARCHITECTURES[arch]]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3] and facts["first_layer"] == 2
+    assert config["dflash_config"] == {"mask_token_id": config["mask_token_id"], "causal": True}
+    assert config["streamspec"]["layout"] == "dflash" and facts["layout"] == "peagle"
+    assert config["streamspec"]["num_speculative_tokens"] == 3 and facts["num_speculative_tokens"] == 4
+    ours, theirs = load_file(str(dflash / "model.safetensors")), load_file(str(peagle / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    run = speculative_config({"drafter": "streams", "folder": str(dflash)})
+    assert run["method"] == "dflash" and run["num_speculative_tokens"] == 3
+    assert speculative_config({"drafter": "streams", "folder": str(peagle)})["method"] == "eagle3"
+    assert '"method": "dflash"' in serve_command(dflash) and "parallel_drafting" not in serve_command(dflash)
+    with pytest.raises(ValueError, match="layout must be one of peagle, dflash, got 'eagle'"):
+        export_for_vllm(ckpt, tmp_path / "x", layout="eagle")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_folder_served_with_the_other_layouts_method_is_refused():
+    """vLLM names a folder's class by the method it was started with (a DFlash folder under
+    ``"method": "eagle3"`` becomes ``Eagle3DFlash…``): that class refuses the folder, naming the
+    method it needs."""
+    from streamspec.vllm import _CLASSES
+    from streamspec.vllm.format import check_folder_layout
+
+    assert _CLASSES["Eagle3DFlashLlamaStreamsDrafter"] == _CLASSES["Eagle3LlamaStreamsDrafter"]
+    assert _CLASSES["DFlashEagle3Qwen2StreamsDrafter"] == _CLASSES["DFlashQwen2StreamsDrafter"]
+    check_folder_layout({"layout": "dflash"}, "dflash")
+    check_folder_layout({}, "peagle")  # folders exported before layouts existed
+    with pytest.raises(ValueError, match='runs with "method": "dflash"; it was started with "method": "eagle3"'):
+        check_folder_layout({"layout": "dflash"}, "peagle")
+    with pytest.raises(ValueError, match='runs with "method": "eagle3"'):
+        check_folder_layout({}, "dflash")
+
+
+def test_the_layout_comparison_rows():
+    """`eval/vllm_layouts.py`'s rows: tokens/s over the rounds against plain vLLM at the same
+    concurrency, acceptance per draft position over vLLM's drafts, identical outputs."""
+    from streamspec.evaluation.vllm_layouts import layout_rows, layout_runs
+    from streamspec.vllm.run import PER_POSITION
+
+    runs = layout_runs({"peagle": "P", "dflash": "D"}, concurrency=(1, 8), rounds=2)
+    assert [(r["layout"], r["concurrency"], r["round"]) for r in runs[:6]] == [
+        ("none", 1, 0), ("none", 8, 0), ("peagle", 1, 0), ("peagle", 8, 0), ("dflash", 1, 0), ("dflash", 8, 0)]
+    assert runs[2]["folder"] == "P" and len(runs) == 12
+
+    def result(run):
+        k = {"none": None, "peagle": 4, "dflash": 3}[run["layout"]]
+        seconds = {"none": 10.0, "peagle": 8.0, "dflash": 5.0}[run["layout"]] * (1 + run["round"])
+        counters = {} if k is None else {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_accepted_tokens": 12,
+                                         PER_POSITION: [6, 4, 2, 0][:k]}
+        return {"tokens": 100, "seconds": seconds, "tokens_per_s": 100 / seconds, "num_speculative_tokens": k,
+                "counters": counters,
+                "outputs": [[1, 2]] if run["layout"] != "dflash" or run["concurrency"] == 1 else [[1, 3]]}
+
+    rows = {(r["layout"], r["concurrency"]): r for r in layout_rows(runs, [result(r) for r in runs])}
+    assert rows[("none", 1)]["x_vllm"] == 1.0 and rows[("none", 1)]["mean_acceptance_length"] is None
+    assert rows[("dflash", 1)]["tokens_per_second"] == pytest.approx(200 / 15, abs=0.01)
+    assert rows[("dflash", 1)]["tokens_per_second_by_round"] == [20.0, 10.0]
+    assert rows[("dflash", 1)]["x_vllm"] == 2.0 and rows[("peagle", 8)]["x_vllm"] == 1.25
+    assert rows[("peagle", 1)]["mean_acceptance_length"] == 2.2
+    assert rows[("peagle", 1)]["acceptance_per_position"] == [0.6, 0.4, 0.2, 0.0]
+    assert rows[("dflash", 8)]["acceptance_per_position"] == [0.6, 0.4, 0.2]
+    assert rows[("dflash", 1)]["identical"] and not rows[("dflash", 8)]["identical"]
+    with pytest.raises(ValueError, match="no plain vLLM run at concurrency 1 to compare the .peagle. rows"):
+        layout_rows(runs[2:4], [result(r) for r in runs[2:4]])
