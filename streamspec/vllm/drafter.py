@@ -54,6 +54,7 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
 from .format import ALIGNMENT_ENV, DRAFTER_FORMAT, check_target
+from .schedule import check_schedule, install_proposer_hook
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
     subclass per base family names the decoder layer class."""
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    # vLLM's proposer runs each step with the slots of that step's K' (`streamspec.vllm.schedule`)
+    drafts_by_batch_size = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
@@ -142,6 +145,8 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         if not 2 <= drafts <= self.num_streams + 1:
             raise ValueError(f"num_speculative_tokens must be 2..{self.num_streams + 1} for streams with γ = "
                              f"{self.num_streams} (γ+1 = {self.num_streams + 1} uses every stream), got {drafts}")
+        check_schedule(spec.num_speculative_tokens_per_batch_size, drafts, self.num_streams)
+        install_proposer_hook()
         self.config.draft_vocab_size = self.config.vocab_size
         # vLLM's layers index the config's per-layer attention kinds relative to the target's layers
         self.config.target_layer_count = int(facts["num_hidden_layers"])
@@ -229,7 +234,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         take_next = is_stream.index_select(0, after) & (origin.index_select(0, after) == origin) & (after != rows)
         out = normed.index_select(0, torch.where(take_next, after, rows))
         if self._alignment_log:
-            self._log_alignment(input_ids, positions, normed, out, marked, is_stream, take_next)
+            self._log_alignment(input_ids, positions, normed, out, marked, is_stream, take_next, index)
         return out, prenorm
 
     # -- checks -----------------------------------------------------------------------------------
@@ -255,7 +260,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
                     "trained on this model")
         self._base_checked = True
 
-    def _log_alignment(self, input_ids, positions, normed, out, marked, is_stream, take_next) -> None:
+    def _log_alignment(self, input_ids, positions, normed, out, marked, is_stream, take_next, index) -> None:
         """See ALIGNMENT_ENV. Rows at a last accepted position p that have streams after them: their
         main output must predict the token just sampled (``input_ids`` there). Each such row's
         drafts (the argmax of streams 1…K−1) are logged with p, so a test can compare them with
@@ -264,7 +269,9 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         checked, agreed, passes = int(last.numel()), 0, []
         if checked:
             agreed = int((self.compute_logits(normed[last]).argmax(dim=-1) == input_ids[last].long()).sum())
-            rows = (last[:, None] + torch.arange(self.num_drafts - 1, device=last.device)).clamp(max=out.shape[0] - 1)
+            # this pass's K'−1 stream rows after each last accepted row (K' may vary by batch size)
+            streams = int(torch.where(is_stream, index, 0).max())
+            rows = (last[:, None] + torch.arange(streams, device=last.device)).clamp(max=out.shape[0] - 1)
             drafts = self.compute_logits(out[rows.flatten()]).argmax(dim=-1).view(rows.shape)
             passes = [[int(p), d] for p, d in zip(positions[last].tolist(), drafts.tolist())]
         # a marked row at a real position that is not where its stream belongs

@@ -1,0 +1,90 @@
+"""Drafts by batch size (vLLM's ``num_speculative_tokens_per_batch_size``) for the streams drafter.
+
+vLLM's scheduler looks the number of drafts a step, K', up in the schedule by the number of
+requests it runs (``vllm/v1/core/sched/scheduler.py``), and hands K' to the proposer's
+``propose``. Its parallel-drafting path (P-EAGLE, the one the streams drafter runs in) sizes the
+drafter's rows once, at start-up, for K = ``num_speculative_tokens``: K slots per request (the row at
+the last accepted position p and K−1 mask rows), K sampled rows per request, and then views the
+sampled tokens as ``[-1, K']``. In vLLM 0.32:
+
+- K' = K: as without a schedule.
+- 0 < K' < K: the K·batch sampled tokens do not fit ``[batch, K']``: the view fails (K' not
+  dividing K·batch) or yields K/K' rows per request, and the runner's copy of the drafts fails
+  (``_copy_draft_token_ids_to_cpu``: size of tensor a (batch) must match b (K·batch/K')). Either
+  way the engine stops.
+- K' = 0: works (no drafts; the proposer still runs the whole K-slot drafter pass and returns an
+  empty draft), so a step without speculation still pays for a full draft pass.
+
+`install_proposer_hook` wraps vLLM's EAGLE proposer's ``propose`` (without changing vLLM's files)
+so that, for the streams drafter only, each call runs with the slots of the step's K':
+
+- K' ≥ 2: K' slots (the row at p and K'−1 mask rows): the same rows, drafts and cache writes as a
+  drafter started with ``num_speculative_tokens`` = K'.
+- K' = 0: one slot, vLLM's plain EAGLE layout: the accepted rows only (all main rows), which write
+  the drafter's cache for the positions the target just accepted, so later steps with drafts
+  attend to a complete cache. No mask rows and no LM head: about Ns/N of a target pass instead of a
+  K-row draft pass.
+
+K' = 1 is refused (`check_schedule`): vLLM asks that one draft of the row at p, whose main output
+is the token just sampled, so it would draft a filler every step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+
+
+def check_schedule(schedule: Iterable | None, num_speculative_tokens: int, num_streams: int) -> None:
+    """Raise naming what is wrong when a schedule asks the streams drafter for drafts it cannot
+    give: each entry's K must be 0 (no speculation at that batch size) or 2..`num_speculative_tokens`
+    (at most γ+1). vLLM checks the ranges themselves."""
+    if not schedule:
+        return
+    allowed = f"0 (no speculation) or 2..{num_speculative_tokens}"
+    for entry in schedule:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            raise ValueError(f"{SCHEDULE_KEY} entries must be [first_batch_size, last_batch_size, K], got {entry!r}")
+        k = int(entry[2])
+        if k == 1:
+            raise ValueError(f"{SCHEDULE_KEY} entry {list(entry)} asks the streams drafter for 1 draft: vLLM samples "
+                             f"it from the row whose main output is the token just sampled (a filler); use {allowed}")
+        if k < 0 or k > num_speculative_tokens:
+            raise ValueError(f"{SCHEDULE_KEY} entry {list(entry)}: K must be {allowed} (num_speculative_tokens is "
+                             f"{num_speculative_tokens}; streams with γ = {num_streams} draft at most {num_streams + 1})")
+
+
+def _slots(proposer, k: int) -> tuple[int, int, bool]:
+    """The proposer's per-request slot sizing for K' = `k`: (slots, new slots, any new)."""
+    slots = max(k, 1)
+    return slots, slots - 1, slots > 1
+
+
+def install_proposer_hook() -> None:
+    """Wrap vLLM's EAGLE proposer's ``propose`` once per process (see the module docstring); other
+    drafters' calls pass through unchanged."""
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    if getattr(EagleProposer.propose, "_streamspec_schedule", False):
+        return
+    original = EagleProposer.propose
+
+    @functools.wraps(original)
+    def propose(self, num_speculative_tokens, *args, **kwargs):
+        model = getattr(self, "model", None)
+        model = model.unwrap() if hasattr(model, "unwrap") else model
+        if (not getattr(model, "drafts_by_batch_size", False) or not self.parallel_drafting
+                or num_speculative_tokens == self.speculative_config.num_speculative_tokens):
+            return original(self, num_speculative_tokens, *args, **kwargs)
+        saved = (self.extra_slots_per_request, self.net_num_new_slots_per_request, self.needs_extra_input_slots)
+        (self.extra_slots_per_request, self.net_num_new_slots_per_request,
+         self.needs_extra_input_slots) = _slots(self, int(num_speculative_tokens))
+        try:
+            return original(self, num_speculative_tokens, *args, **kwargs)
+        finally:
+            (self.extra_slots_per_request, self.net_num_new_slots_per_request, self.needs_extra_input_slots) = saved
+
+    propose._streamspec_schedule = True
+    EagleProposer.propose = propose
