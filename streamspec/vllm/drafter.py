@@ -54,7 +54,7 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
 from .format import ALIGNMENT_ENV, DRAFTER_FORMAT, check_target
-from .schedule import check_schedule, install_proposer_hook
+from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
             raise ValueError(f"num_speculative_tokens must be 2..{self.num_streams + 1} for streams with γ = "
                              f"{self.num_streams} (γ+1 = {self.num_streams + 1} uses every stream), got {drafts}")
         check_schedule(spec.num_speculative_tokens_per_batch_size, drafts, self.num_streams)
+        self.zero_drafts = zero_drafts_mode()
         install_proposer_hook()
         self.config.draft_vocab_size = self.config.vocab_size
         # vLLM's layers index the config's per-layer attention kinds relative to the target's layers

@@ -8,7 +8,10 @@ tests call it through a subprocess, so the rest of streamspec never imports vLLM
 SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
 "prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "suffix" |
 "streams" | "eagle3" | "peagle", "folder": drafter folder, "num_speculative_tokens": K,
-"concurrency": 1 | n, "model": folder (default: the spec's)}, ...]}``; a suffix run may also set
+"concurrency": 1 | n, "model": folder (default: the spec's)}, ...]}``; "max_tokens" may be a list (one
+a prompt); a streams run may carry a "schedule" (vLLM's ``num_speculative_tokens_per_batch_size``:
+``[[first batch size, last, K], ...]``; K defaults to the schedule's most) and "zero_drafts" ("skip" |
+"cache": what a step with no drafts does, `streamspec.vllm.schedule`); a suffix run may also set
 vLLM's ``suffix_decoding_*`` options (`SUFFIX_DEFAULTS`); an eagle3 / peagle run's folder is a
 drafter speculators trained (`PEER_DRAFTERS`; K defaults to the drafts it was trained for).
 Consecutive runs of the same model and drafter share one engine (started with room for the
@@ -67,11 +70,16 @@ def speculative_config(run: dict) -> dict | None:
         return {"method": "suffix", **{k: run.get(k, v) for k, v in SUFFIX_DEFAULTS.items()}}
     if drafter == "streams":
         config = {"method": "eagle3", "model": run["folder"], "parallel_drafting": True}
+        schedule = run.get("schedule")
         if run.get("num_speculative_tokens"):
             config["num_speculative_tokens"] = run["num_speculative_tokens"]
+        elif schedule and max(int(k) for _, _, k in schedule) > 0:  # the schedule's most
+            config["num_speculative_tokens"] = max(int(k) for _, _, k in schedule)
         else:  # the folder's recommendation: every stream drafts
             with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
                 config["num_speculative_tokens"] = json.load(f)["streamspec"]["num_speculative_tokens"]
+        if schedule:  # drafts by batch size (`streamspec.vllm.schedule`)
+            config["num_speculative_tokens_per_batch_size"] = [[int(x) for x in entry] for entry in schedule]
         return config
     if drafter in PEER_DRAFTERS:
         folder = check_drafter_folder(drafter, run.get("folder"))
@@ -125,7 +133,8 @@ def counters(llm) -> dict[str, float]:
 
 def engine_key(spec: dict, run: dict) -> str:
     """What an engine is made of for `run`: runs with the same key can share one."""
-    return json.dumps({"model": run.get("model", spec["model"]), "speculative": speculative_config(run)}, sort_keys=True)
+    return json.dumps({"model": run.get("model", spec["model"]), "speculative": speculative_config(run),
+                       "zero_drafts": run.get("zero_drafts")}, sort_keys=True)
 
 
 def start_engine(spec: dict, run: dict, max_num_seqs: int):
@@ -134,6 +143,12 @@ def start_engine(spec: dict, run: dict, max_num_seqs: int):
         require_suffix_decoding()
     from vllm import LLM
 
+    from .schedule import ZERO_DRAFTS_ENV
+
+    if run.get("zero_drafts"):  # what the streams drafter does at K' = 0 (read when the engine starts)
+        os.environ[ZERO_DRAFTS_ENV] = run["zero_drafts"]
+    else:
+        os.environ.pop(ZERO_DRAFTS_ENV, None)
     return LLM(model=run.get("model", spec["model"]), dtype=spec.get("dtype", "float32"),
                enforce_eager=spec.get("enforce_eager", True), max_model_len=spec.get("max_model_len"),
                max_num_seqs=max(max_num_seqs, 1), skip_tokenizer_init=True, speculative_config=speculative_config(run),
@@ -148,8 +163,9 @@ def decode(llm, spec: dict, run: dict) -> dict:
 
     concurrency = int(run.get("concurrency", 1))
     speculative = speculative_config(run)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 96),
-                            ignore_eos=spec.get("ignore_eos", False), detokenize=False)
+    max_tokens = spec.get("max_tokens", 96)  # or one a prompt
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=spec.get("ignore_eos", False), detokenize=False)
+              for n in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(spec["prompts"]))]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     if spec.get("warmup", True):
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
@@ -159,7 +175,7 @@ def decode(llm, spec: dict, run: dict) -> dict:
     log_lines: list[int] = []  # the drafter's alignment log: its length after each batch
     start = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
-        for result in llm.generate(prompts[i:i + concurrency], params, use_tqdm=False):
+        for result in llm.generate(prompts[i:i + concurrency], params[i:i + concurrency], use_tqdm=False):
             outputs.append(list(result.outputs[0].token_ids))
         if log and run.get("drafter") == "streams":
             log_lines.append(_lines(log))

@@ -20,10 +20,15 @@ so that, for the streams drafter only, each call runs with the slots of the step
 
 - K' ≥ 2: K' slots (the row at p and K'−1 mask rows): the same rows, drafts and cache writes as a
   drafter started with ``num_speculative_tokens`` = K'.
-- K' = 0: one slot, vLLM's plain EAGLE layout: the accepted rows only (all main rows), which write
-  the drafter's cache for the positions the target just accepted, so later steps with drafts
-  attend to a complete cache. No mask rows and no LM head: about Ns/N of a target pass instead of a
-  K-row draft pass.
+- K' = 0, ``STREAMSPEC_VLLM_ZERO_DRAFTS=skip`` (the default): no drafter pass at all, so a step
+  without speculation costs what it costs vLLM without a drafter. The drafter's cache then lacks
+  the rows of the positions decoded so (the prompt too, when its prefill step had K' = 0): a
+  request that drafts again later attends to those gaps (its main rows there predict the sampled
+  token less often, the measure of the alignment check), and its outputs stay exact.
+- K' = 0, ``STREAMSPEC_VLLM_ZERO_DRAFTS=cache``: one slot, vLLM's plain EAGLE layout: the accepted
+  rows only (all main rows), which write the drafter's cache for the positions the target just
+  accepted, so later drafts attend to a complete cache. No mask rows and no LM head, but still a
+  pass of the Ns layers and the proposer's bookkeeping (about 15% of a SmolLM2-135M step here).
 
 K' = 1 is refused (`check_schedule`): vLLM asks that one draft of the row at p, whose main output
 is the token just sampled, so it would draft a filler every step.
@@ -32,9 +37,20 @@ is the token just sampled, so it would draft a filler every step.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+ZERO_DRAFTS_ENV = "STREAMSPEC_VLLM_ZERO_DRAFTS"
+ZERO_DRAFTS = ("skip", "cache")
+
+
+def zero_drafts_mode() -> str:
+    """What a step with K' = 0 does (`ZERO_DRAFTS_ENV`; see the module docstring)."""
+    mode = os.environ.get(ZERO_DRAFTS_ENV, "skip") or "skip"
+    if mode not in ZERO_DRAFTS:
+        raise ValueError(f"${ZERO_DRAFTS_ENV} must be one of {', '.join(ZERO_DRAFTS)}, got {mode!r}")
+    return mode
 
 
 def check_schedule(schedule: Iterable | None, num_speculative_tokens: int, num_streams: int) -> None:
@@ -56,8 +72,9 @@ def check_schedule(schedule: Iterable | None, num_speculative_tokens: int, num_s
                              f"{num_speculative_tokens}; streams with γ = {num_streams} draft at most {num_streams + 1})")
 
 
-def _slots(proposer, k: int) -> tuple[int, int, bool]:
-    """The proposer's per-request slot sizing for K' = `k`: (slots, new slots, any new)."""
+def _slots(k: int) -> tuple[int, int, bool]:
+    """The proposer's per-request slot sizing for K' = `k`: (slots, new slots, any new); K' = 0
+    (cache mode) gets one slot: the accepted rows, no mask rows."""
     slots = max(k, 1)
     return slots, slots - 1, slots > 1
 
@@ -78,9 +95,15 @@ def install_proposer_hook() -> None:
         if (not getattr(model, "drafts_by_batch_size", False) or not self.parallel_drafting
                 or num_speculative_tokens == self.speculative_config.num_speculative_tokens):
             return original(self, num_speculative_tokens, *args, **kwargs)
+        if num_speculative_tokens == 0 and model.zero_drafts == "skip":
+            import torch
+
+            self._last_draft_probs = None
+            metadata = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[5]
+            return torch.empty(metadata.batch_size(), 0, dtype=torch.int64, device=self.device)
         saved = (self.extra_slots_per_request, self.net_num_new_slots_per_request, self.needs_extra_input_slots)
         (self.extra_slots_per_request, self.net_num_new_slots_per_request,
-         self.needs_extra_input_slots) = _slots(self, int(num_speculative_tokens))
+         self.needs_extra_input_slots) = _slots(int(num_speculative_tokens))
         try:
             return original(self, num_speculative_tokens, *args, **kwargs)
         finally:
