@@ -307,8 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     card.add_argument("--validation-fraction", type=float, default=0.02)
     card.add_argument("--seed", type=int, default=0)
     from .reason.cli import add_reason_commands
+    from .vllm.calibrate import add_command as add_calibrate_command
 
     add_reason_commands(sub)
+    add_calibrate_command(sub)
     return parser
 
 
@@ -429,6 +431,10 @@ def _run(args) -> int:
         from .reason.cli import dispatch
 
         return dispatch(args)
+    elif args.command == "vllm-calibrate":
+        from .vllm.calibrate import run_command
+
+        return run_command(args)
     elif args.command == "prepare":
         from .assets import default_model_path
 
