@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "speculators (python eval/train_peer_drafters.py --method eagle3)")
     ev.add_argument("--peagle", default=None, metavar="FOLDER",
                     help="the vllm_peagle row's drafter: a P-EAGLE drafter trained the same way (--method peagle)")
+    from .evaluation.vllm_peers import add_vllm_arguments
+
+    add_vllm_arguments(ev)
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     ev.add_argument("--skip", nargs="+", default=[], choices=list(SKIPPABLE_ROWS), metavar="ROW",
@@ -401,6 +404,7 @@ def _run(args) -> int:
         )
     elif args.command == "eval":
         from .evaluation.benchmark import run_benchmark
+        from .evaluation.vllm_peers import vllm_options
 
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
@@ -410,6 +414,7 @@ def _run(args) -> int:
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
             decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS), peers=args.peers, gguf=args.gguf,
             skip=tuple(args.skip), drafters={"eagle3": args.eagle3, "peagle": args.peagle},
+            vllm_options=vllm_options(args),
         )
     elif args.command == "serve":
         from .serving import serve

@@ -123,6 +123,7 @@ def run_benchmark(
     gguf: str | None = None,
     skip: tuple[str, ...] = (),
     drafters: dict[str, str | None] | None = None,
+    vllm_options: dict | None = None,
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -160,6 +161,8 @@ def run_benchmark(
         drafters: the folders of the trained drafters the ``vllm_eagle3`` / ``vllm_peagle`` rows
             decode with (``{"eagle3": FOLDER, "peagle": FOLDER}``; `streamspec.evaluation.peer_drafters`);
             a row asked for without its folder is refused before anything runs.
+        vllm_options: more for the vLLM rows (`vllm_rows`): ``schedule`` (the streams drafter's
+            drafts by batch size: adds the ``vllm_streams_schedule`` row), ``concurrency``.
     """
     from ..patch.checkpoint import read_checkpoint_meta, recorded_base
     from ..loading import load_for_inference
@@ -271,7 +274,8 @@ def run_benchmark(
         summary.update(vllm_rows(peers, checkpoint, vllm_base(recorded_base(checkpoint, meta)),
                                  [prompt_ids(tokenizer, row)[0].tolist() for row in rows], max_new_tokens,
                                  results["baseline"].token_ids, summary["baseline"]["tokens_per_second"],
-                                 dtype=str(loaded.dtype).removeprefix("torch."), drafters=drafters))
+                                 dtype=str(loaded.dtype).removeprefix("torch."), drafters=drafters,
+                                 **(vllm_options or {})))
     shape = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     if "tree" in summary:
         summary["tree"]["tree_top_k"] = shape

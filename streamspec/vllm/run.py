@@ -38,6 +38,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # three times slower here and its engine core spins (sched_yield) on a core the model needs
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+_CALLER_ZERO_DRAFTS = os.environ.get("STREAMSPEC_VLLM_ZERO_DRAFTS")  # `streamspec.vllm.schedule.ZERO_DRAFTS_ENV`
+
 # vLLM's suffix decoding (https://arxiv.org/abs/2411.04975; its suffix trees are arctic-inference's
 # C++ extension, which `make vllm` builds): drafts continue the longest match of the text's end in
 # suffix trees of the request's prompt and output so far, as long as the match supports (at most
@@ -145,8 +147,10 @@ def start_engine(spec: dict, run: dict, max_num_seqs: int):
 
     from .schedule import ZERO_DRAFTS_ENV
 
-    if run.get("zero_drafts"):  # what the streams drafter does at K' = 0 (read when the engine starts)
-        os.environ[ZERO_DRAFTS_ENV] = run["zero_drafts"]
+    # what the streams drafter does at K' = 0 (read when the engine starts): the run's, else the caller's
+    mode = run.get("zero_drafts") or _CALLER_ZERO_DRAFTS
+    if mode:
+        os.environ[ZERO_DRAFTS_ENV] = mode
     else:
         os.environ.pop(ZERO_DRAFTS_ENV, None)
     return LLM(model=run.get("model", spec["model"]), dtype=spec.get("dtype", "float32"),

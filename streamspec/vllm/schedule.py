@@ -72,6 +72,28 @@ def check_schedule(schedule: Iterable | None, num_speculative_tokens: int, num_s
                              f"{num_speculative_tokens}; streams with γ = {num_streams} draft at most {num_streams + 1})")
 
 
+def load_schedule(path: str) -> list[list[int]]:
+    """A schedule from a file: the ``--speculative-config`` JSON `streamspec vllm-calibrate` writes
+    (its `SCHEDULE_KEY`), or the bare list ``[[first, last, K], ...]``; raises naming what is wrong."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"schedule file {path}: no such file (write one with `streamspec vllm-calibrate`)") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"schedule file {path} is not JSON ({err})") from None
+    schedule = data.get(SCHEDULE_KEY) if isinstance(data, dict) else data
+    ok = isinstance(schedule, list) and schedule and all(
+        isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) for x in e) and 1 <= e[0] <= e[1] and e[2] >= 0
+        for e in schedule)
+    if not ok or schedule[0][0] != 1:
+        raise ValueError(f"schedule file {path}: expected {SCHEDULE_KEY} as [[first batch size, last, K], ...] with "
+                         "integer sizes from 1 and K >= 0 (or a speculative config holding it)")
+    return [list(e) for e in schedule]
+
+
 def _slots(k: int) -> tuple[int, int, bool]:
     """The proposer's per-request slot sizing for K' = `k`: (slots, new slots, any new); K' = 0
     (cache mode) gets one slot: the accepted rows, no mask rows."""
