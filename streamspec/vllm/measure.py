@@ -14,7 +14,7 @@ no engine start. At each batch size b, b requests at once (the prompts, repeated
 fewer; every prompt, b at a time, when there are more) decode `max_tokens` tokens each past their
 end of sequence, so the batch stays at b; every
 configuration is warmed up at that batch size first (new shapes cost the CPU's kernels a set-up),
-and the configurations take turns for `repeats` rounds, each keeping its best round (another job on
+and the configurations alternate for `repeats` rounds, each keeping its best round (another job on
 the machine slows rounds, never speeds them up). Prefix caching is off, so no round reuses an
 earlier one's prompts. Outputs are compared with plain vLLM's.
 
