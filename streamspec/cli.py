@@ -271,8 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "speculators (python eval/train_peer_drafters.py --method eagle3)")
     ev.add_argument("--peagle", default=None, metavar="FOLDER",
                     help="the vllm_peagle row's drafter: a P-EAGLE drafter trained the same way (--method peagle)")
-    ev.add_argument("--vllm-concurrency", type=int, nargs="+", default=[1, 8], metavar="N",
-                    help="the vLLM rows' requests at once, one run each (default: 1 8; e.g. 1 8 32)")
+    from .evaluation.vllm_peers import add_vllm_arguments
+
+    add_vllm_arguments(ev)
     ev.add_argument("--gguf", default=None, metavar="PATH",
                     help="the GGUF the llama.cpp rows run (default: the default model's own GGUF)")
     ev.add_argument("--skip", nargs="+", default=[], choices=list(SKIPPABLE_ROWS), metavar="ROW",
@@ -318,8 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     card.add_argument("--validation-fraction", type=float, default=0.02)
     card.add_argument("--seed", type=int, default=0)
     from .reason.cli import add_reason_commands
+    from .vllm.calibrate import add_command as add_calibrate_command
 
     add_reason_commands(sub)
+    add_calibrate_command(sub)
     return parser
 
 
@@ -414,6 +417,7 @@ def _run(args) -> int:
         )
     elif args.command == "eval":
         from .evaluation.benchmark import run_benchmark
+        from .evaluation.vllm_peers import vllm_options
 
         run_benchmark(
             args.checkpoint, task=args.task, data=args.data, baseline=args.baseline, limit=args.limit,
@@ -423,7 +427,7 @@ def _run(args) -> int:
             out_dir=args.out, cpu_kernels=not args.default_kernels, device=args.device, dtype=args.dtype,
             decode=decode_config_from_args(args, only=EVAL_DECODE_FLAGS), peers=args.peers, gguf=args.gguf,
             skip=tuple(args.skip), drafters={"eagle3": args.eagle3, "peagle": args.peagle},
-            vllm_concurrency=tuple(args.vllm_concurrency),
+            vllm_options=vllm_options(args),
         )
     elif args.command == "serve":
         from .serving import serve
@@ -452,6 +456,10 @@ def _run(args) -> int:
         from .reason.cli import dispatch
 
         return dispatch(args)
+    elif args.command == "vllm-calibrate":
+        from .vllm.calibrate import run_command
+
+        return run_command(args)
     elif args.command == "prepare":
         from .assets import default_model_path
 

@@ -54,7 +54,7 @@ from .methods import (  # noqa: F401 (part of this module's API)
     streaming_method,
     with_default_kernels,
 )
-from .vllm_peers import CONCURRENT, VLLM_PEERS, check_trained_drafters, vllm_base, vllm_rows
+from .vllm_peers import VLLM_PEERS, check_concurrency, check_trained_drafters, vllm_base, vllm_rows
 from .peers import peer_methods, peer_summary
 from .report import DRAFT_METHODS, markdown_table, quality, report, save_report  # noqa: F401
 from .tuning import (  # noqa: F401
@@ -125,7 +125,7 @@ def run_benchmark(
     gguf: str | None = None,
     skip: tuple[str, ...] = (),
     drafters: dict[str, str | None] | None = None,
-    vllm_concurrency: tuple[int, ...] = (1, CONCURRENT),
+    vllm_options: dict | None = None,
 ) -> dict:
     """The whole side-by-side benchmark; see the module docstring. Returns the summary.
 
@@ -163,14 +163,14 @@ def run_benchmark(
         drafters: the folders of the trained drafters the ``vllm_eagle3`` / ``vllm_peagle`` rows
             decode with (``{"eagle3": FOLDER, "peagle": FOLDER}``; `streamspec.evaluation.peer_drafters`);
             a row asked for without its folder is refused before anything runs.
-        vllm_concurrency: the vLLM rows' requests at once, one run of every vLLM row each
-            (``PEER`` one at a time, ``PEER@N`` N at once).
+        vllm_options: more for the vLLM rows (`vllm_rows`): ``schedule`` (the streams drafter's
+            drafts by batch size: adds the ``vllm_streams_schedule`` row), ``concurrency``.
     """
     from ..patch.checkpoint import read_checkpoint_meta, recorded_base
     from ..loading import load_for_inference
 
-    if not vllm_concurrency or any(not isinstance(n, int) or n < 1 for n in vllm_concurrency):
-        raise ValueError(f"vllm_concurrency must be requests at once, each >= 1 (e.g. 1 8 32), got {vllm_concurrency!r}")
+    if vllm_options and "concurrency" in vllm_options:
+        check_concurrency(vllm_options["concurrency"])
     if not isinstance(peers, str):
         check_trained_drafters(peers, drafters)
     bad_skip = [name for name in skip if name not in SKIPPABLE_ROWS]
@@ -279,7 +279,7 @@ def run_benchmark(
                                  [prompt_ids(tokenizer, row)[0].tolist() for row in rows], max_new_tokens,
                                  results["baseline"].token_ids, summary["baseline"]["tokens_per_second"],
                                  dtype=str(loaded.dtype).removeprefix("torch."), drafters=drafters,
-                                 concurrency=vllm_concurrency))
+                                 **(vllm_options or {})))
     shape = tree_top_k if isinstance(tree_top_k, int) else list(tree_top_k)
     if "tree" in summary:
         summary["tree"]["tree_top_k"] = shape

@@ -20,7 +20,9 @@ import tempfile
 VLLM_PEERS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams", "vllm_eagle3", "vllm_peagle")
 CONCURRENT = 8
 DRAFTERS = {"vllm": "none", "vllm_ngram": "ngram", "vllm_suffix": "suffix", "vllm_streams": "streams",
-            "vllm_eagle3": "eagle3", "vllm_peagle": "peagle"}
+            "vllm_streams_schedule": "streams", "vllm_eagle3": "eagle3", "vllm_peagle": "peagle"}
+# vllm_streams_schedule: the streams with drafts by batch size (`streamspec.vllm.schedule`; `streamspec
+# vllm-calibrate` writes one), a row beside vllm_streams when the benchmark is given a schedule
 # the rows whose drafter is a trained folder the benchmark is given (--eagle3 / --peagle)
 TRAINED_PEERS = {"vllm_eagle3": "eagle3", "vllm_peagle": "peagle"}
 NGRAM_TOKENS = 4  # vLLM's n-gram drafter: drafts a pass (its prompt_lookup_max as well)
@@ -56,13 +58,15 @@ def check_trained_drafters(peers, drafters: dict[str, str] | None) -> dict[str, 
 def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_new_tokens: int,
               baseline_outputs: list[list[int]], baseline_tps: float, dtype: str = "float32",
               concurrency: tuple[int, ...] = (1, CONCURRENT),
-              drafters: dict[str, str] | None = None) -> dict[str, dict]:
+              drafters: dict[str, str] | None = None, schedule: list | None = None) -> dict[str, dict]:
     """The vLLM rows the benchmark asked for (`peers` ∩ `VLLM_PEERS`), named ``PEER`` (one at a
     time) and ``PEER@N`` (N at once). Plain vLLM always runs when another vLLM row does (the
     others are compared with it). `drafters`: the trained drafters' folders (``{"eagle3": FOLDER,
     "peagle": FOLDER}``) of the ``vllm_eagle3`` / ``vllm_peagle`` rows. Returns {} with a note when
     vLLM's environment is missing; raises when ``vllm_suffix`` is asked for and that environment
-    lacks arctic-inference, or a trained row's folder is missing."""
+    lacks arctic-inference, or a trained row's folder is missing. `schedule`: vLLM's
+    ``num_speculative_tokens_per_batch_size`` for the streams: with ``vllm_streams`` asked for, a
+    ``vllm_streams_schedule`` row decodes with it too."""
     from ..vllm.client import check_suffix_decoding, run_vllm, vllm_python
 
     wanted = [p for p in VLLM_PEERS if p in peers]
@@ -78,6 +82,8 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
         check_suffix_decoding()  # before any engine starts: raises with the fix (`make vllm`)
     if "vllm" not in wanted:
         wanted.insert(0, "vllm")
+    if schedule and "vllm_streams" in wanted:
+        wanted.insert(wanted.index("vllm_streams") + 1, "vllm_streams_schedule")
     with tempfile.TemporaryDirectory(prefix="streamspec-vllm-drafter-") as tmp:
         runs = []
         for peer in wanted:
@@ -86,6 +92,8 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
                 from ..vllm.export import export_for_vllm
 
                 run["folder"] = str(export_for_vllm(checkpoint, tmp))
+            if peer == "vllm_streams_schedule":
+                run.update(folder=runs[-1]["folder"], schedule=schedule)
             if peer in folders:
                 run["folder"] = folders[peer]
             if peer == "vllm_ngram":
@@ -95,7 +103,7 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
         results = {r["name"]: r for r in run_vllm(spec)["runs"]}
     trained = {peer: drafter_facts(folders[peer]) for peer in folders}
     if "vllm_streams" in wanted:
-        trained["vllm_streams"] = streams_facts(checkpoint)
+        trained["vllm_streams"] = trained["vllm_streams_schedule"] = streams_facts(checkpoint)
     rows = {}
     for name, result in results.items():
         plain = results[_name("vllm", result["concurrency"])]["outputs"]
@@ -147,6 +155,31 @@ def streams_facts(checkpoint: str) -> dict:
     if summary.is_file():
         facts["training_seconds"] = json.loads(summary.read_text(encoding="utf-8")).get("wall_seconds")
     return facts
+def add_vllm_arguments(parser) -> None:
+    """`streamspec eval`'s options of the vLLM rows."""
+    parser.add_argument("--vllm-schedule", default=None, metavar="FILE",
+                        help="with vllm_streams: also the vllm_streams_schedule row, the streams drafting by batch "
+                             "size (the speculative_config.json `streamspec vllm-calibrate` writes, or a JSON list)")
+    parser.add_argument("--vllm-concurrency", type=int, nargs="+", default=[1, CONCURRENT], metavar="N",
+                        help="the vLLM rows' requests at once, one run of each row at each (default: 1 8; e.g. 1 8 32)")
+
+
+def check_concurrency(concurrency) -> tuple[int, ...]:
+    """Requests at once for the vLLM rows, each >= 1 (raises naming what is allowed)."""
+    if not concurrency or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in concurrency):
+        raise ValueError(f"the vLLM rows' concurrency must be requests at once, each >= 1 (e.g. 1 8 32), "
+                         f"got {concurrency!r}")
+    return tuple(concurrency)
+
+
+def vllm_options(args) -> dict:
+    """`vllm_rows`' options from `streamspec eval`'s arguments, read and checked."""
+    from ..vllm.schedule import load_schedule
+
+    options = {"concurrency": check_concurrency(args.vllm_concurrency)}
+    if args.vllm_schedule:
+        options["schedule"] = load_schedule(args.vllm_schedule)
+    return options
 
 
 def _name(peer: str, concurrency: int) -> str:

@@ -61,6 +61,7 @@ class DFlashStreamsDrafter(StreamsDrafter):
     proposer's model check as an `Eagle3LlamaForCausalLM` (what `StreamsDrafter` subclasses)."""
 
     layout = DFLASH
+    least_scheduled_drafts = 1  # every draft of the DFlash layout is a stream's
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -142,7 +143,8 @@ class DFlashStreamsDrafter(StreamsDrafter):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        per_request = self.num_drafts + 1
+        # this step's drafts a request (a schedule's K', `streamspec.vllm.schedule`), else the configured K
+        per_request = (self.num_drafts if self.step_drafts is None else self.step_drafts) + 1
         count = positions.shape[0]
         rows = torch.arange(count, device=positions.device)
         offset = rows % per_request  # 0: the bonus token's row (stream 1), i: mask row i (stream i+1)

@@ -54,6 +54,7 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
 from .format import ALIGNMENT_ENV, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target
+from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,10 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
     layout = PEAGLE
+    # vLLM's proposer runs each step with the slots of that step's K' (`streamspec.vllm.schedule`)
+    drafts_by_batch_size = True
+    # the fewest drafts a step of a schedule may ask for (K' = 1 would draft the filler only)
+    least_scheduled_drafts = 2
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
@@ -139,6 +144,11 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         self.num_streams = int(facts["num_streams"])
         self.num_drafts = spec.num_speculative_tokens
         self._check_speculative_config(spec)
+        check_schedule(spec.num_speculative_tokens_per_batch_size, self.num_drafts, self.num_streams,
+                       least=self.least_scheduled_drafts)
+        self.zero_drafts = zero_drafts_mode()
+        self.step_drafts: int | None = None  # set by the proposer hook at each step (K')
+        install_proposer_hook()
         self.config.draft_vocab_size = self.config.vocab_size
         # vLLM's layers index the config's per-layer attention kinds relative to the target's layers
         self.config.target_layer_count = int(facts["num_hidden_layers"])
@@ -235,7 +245,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         take_next = is_stream.index_select(0, after) & (origin.index_select(0, after) == origin) & (after != rows)
         out = normed.index_select(0, torch.where(take_next, after, rows))
         if self._alignment_log:
-            self._log_alignment(input_ids, positions, normed, out, marked, is_stream, take_next)
+            self._log_alignment(input_ids, positions, normed, out, marked, is_stream, take_next, index)
         return out, prenorm
 
     # -- checks -----------------------------------------------------------------------------------
@@ -261,7 +271,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
                     "trained on this model")
         self._base_checked = True
 
-    def _log_alignment(self, input_ids, positions, normed, out, marked, is_stream, take_next) -> None:
+    def _log_alignment(self, input_ids, positions, normed, out, marked, is_stream, take_next, index) -> None:
         """See ALIGNMENT_ENV. Rows at a last accepted position p that have streams after them: their
         main output must predict the token just sampled (``input_ids`` there). Each such row's
         drafts (the argmax of streams 1…K−1) are logged with p, so a test can compare them with
@@ -270,7 +280,9 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         checked, agreed, passes = int(last.numel()), 0, []
         if checked:
             agreed = int((self.compute_logits(normed[last]).argmax(dim=-1) == input_ids[last].long()).sum())
-            rows = (last[:, None] + torch.arange(self.num_drafts - 1, device=last.device)).clamp(max=out.shape[0] - 1)
+            # this pass's K'−1 stream rows after each last accepted row (K' may vary by batch size)
+            streams = int(torch.where(is_stream, index, 0).max())
+            rows = (last[:, None] + torch.arange(streams, device=last.device)).clamp(max=out.shape[0] - 1)
             drafts = self.compute_logits(out[rows.flatten()]).argmax(dim=-1).view(rows.shape)
             passes = [[int(p), d] for p, d in zip(positions[last].tolist(), drafts.tolist())]
         # a marked row at a real position that is not where its stream belongs

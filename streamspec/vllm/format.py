@@ -51,6 +51,12 @@ def recommended_drafts(num_streams: int, layout: str = PEAGLE) -> int:
     return num_streams + 1 if layout == PEAGLE else num_streams
 
 
+def draft_range(num_streams: int, layout: str = PEAGLE) -> tuple[int, int]:
+    """The drafts a step the streams drafter can give (besides 0, no drafting): 2..γ+1 in the
+    P-EAGLE layout (1 would be the filler alone), 1..γ in the DFlash layout."""
+    return (2, num_streams + 1) if check_layout(layout) == PEAGLE else (1, num_streams)
+
+
 def check_layout(layout: str) -> str:
     """`layout` when it is one the drafter runs in; raises naming those otherwise."""
     if layout not in LAYOUTS:

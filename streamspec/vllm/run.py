@@ -8,7 +8,10 @@ tests call it through a subprocess, so the rest of streamspec never imports vLLM
 SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
 "prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "suffix" |
 "streams" | "eagle3" | "peagle", "folder": drafter folder, "num_speculative_tokens": K,
-"concurrency": 1 | n, "model": folder (default: the spec's)}, ...]}``; a suffix run may also set
+"concurrency": 1 | n, "model": folder (default: the spec's)}, ...]}``; "max_tokens" may be a list (one
+a prompt); a streams run may carry a "schedule" (vLLM's ``num_speculative_tokens_per_batch_size``:
+``[[first batch size, last, K], ...]``; K defaults to the schedule's most) and "zero_drafts" ("skip" |
+"cache": what a step with no drafts does, `streamspec.vllm.schedule`); a suffix run may also set
 vLLM's ``suffix_decoding_*`` options (`SUFFIX_DEFAULTS`); an eagle3 / peagle run's folder is a
 drafter speculators trained (`PEER_DRAFTERS`; K defaults to the drafts it was trained for).
 Consecutive runs of the same model and drafter share one engine (started with room for the
@@ -36,6 +39,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # the engine in this process, on the model's thread: with its own engine-core process, vLLM starts
 # three times slower here and its engine core spins (sched_yield) on a core the model needs
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+_CALLER_ZERO_DRAFTS = os.environ.get("STREAMSPEC_VLLM_ZERO_DRAFTS")  # `streamspec.vllm.schedule.ZERO_DRAFTS_ENV`
 
 # vLLM's suffix decoding (https://arxiv.org/abs/2411.04975; its suffix trees are arctic-inference's
 # C++ extension, which `make vllm` builds): drafts continue the longest match of the text's end in
@@ -73,8 +78,15 @@ def speculative_config(run: dict) -> dict | None:
         # the folder's layout picks vLLM's method (streamspec.vllm.format.LAYOUTS)
         config = {"method": speculative_method(facts.get("layout", PEAGLE)), "model": run["folder"],
                   "parallel_drafting": True}
-        # default: the folder's recommendation, every stream drafts
-        config["num_speculative_tokens"] = run.get("num_speculative_tokens") or facts["num_speculative_tokens"]
+        schedule = run.get("schedule")
+        if run.get("num_speculative_tokens"):
+            config["num_speculative_tokens"] = run["num_speculative_tokens"]
+        elif schedule and max(int(k) for _, _, k in schedule) > 0:  # the schedule's most
+            config["num_speculative_tokens"] = max(int(k) for _, _, k in schedule)
+        else:  # the folder's recommendation: every stream drafts
+            config["num_speculative_tokens"] = facts["num_speculative_tokens"]
+        if schedule:  # drafts by batch size (`streamspec.vllm.schedule`)
+            config["num_speculative_tokens_per_batch_size"] = [[int(x) for x in entry] for entry in schedule]
         return config
     if drafter in PEER_DRAFTERS:
         folder = check_drafter_folder(drafter, run.get("folder"))
@@ -149,7 +161,8 @@ def counter_change(before: dict, after: dict) -> dict:
 
 def engine_key(spec: dict, run: dict) -> str:
     """What an engine is made of for `run`: runs with the same key can share one."""
-    return json.dumps({"model": run.get("model", spec["model"]), "speculative": speculative_config(run)}, sort_keys=True)
+    return json.dumps({"model": run.get("model", spec["model"]), "speculative": speculative_config(run),
+                       "zero_drafts": run.get("zero_drafts")}, sort_keys=True)
 
 
 def start_engine(spec: dict, run: dict, max_num_seqs: int):
@@ -158,6 +171,14 @@ def start_engine(spec: dict, run: dict, max_num_seqs: int):
         require_suffix_decoding()
     from vllm import LLM
 
+    from .schedule import ZERO_DRAFTS_ENV
+
+    # what the streams drafter does at K' = 0 (read when the engine starts): the run's, else the caller's
+    mode = run.get("zero_drafts") or _CALLER_ZERO_DRAFTS
+    if mode:
+        os.environ[ZERO_DRAFTS_ENV] = mode
+    else:
+        os.environ.pop(ZERO_DRAFTS_ENV, None)
     return LLM(model=run.get("model", spec["model"]), dtype=spec.get("dtype", "float32"),
                enforce_eager=spec.get("enforce_eager", True), max_model_len=spec.get("max_model_len"),
                max_num_seqs=max(max_num_seqs, 1), skip_tokenizer_init=True, speculative_config=speculative_config(run),
@@ -172,8 +193,9 @@ def decode(llm, spec: dict, run: dict) -> dict:
 
     concurrency = int(run.get("concurrency", 1))
     speculative = speculative_config(run)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 96),
-                            ignore_eos=spec.get("ignore_eos", False), detokenize=False)
+    max_tokens = spec.get("max_tokens", 96)  # or one a prompt
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=spec.get("ignore_eos", False), detokenize=False)
+              for n in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(spec["prompts"]))]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     if spec.get("warmup", True):
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
@@ -183,7 +205,7 @@ def decode(llm, spec: dict, run: dict) -> dict:
     log_lines: list[int] = []  # the drafter's alignment log: its length after each batch
     start = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
-        for result in llm.generate(prompts[i:i + concurrency], params, use_tqdm=False):
+        for result in llm.generate(prompts[i:i + concurrency], params[i:i + concurrency], use_tqdm=False):
             outputs.append(list(result.outputs[0].token_ids))
         if log and run.get("drafter") == "streams":
             log_lines.append(_lines(log))

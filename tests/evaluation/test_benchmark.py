@@ -86,8 +86,8 @@ def test_benchmark_reports_every_method(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="tree_budget"):
         run_benchmark(str(tmp_path / "ckpt"), limit=1, tree_budget="wide")
     for bad in [(), (1, 0), (8, -1)]:
-        with pytest.raises(ValueError, match="vllm_concurrency"):
-            run_benchmark(str(tmp_path / "ckpt"), limit=1, vllm_concurrency=bad)
+        with pytest.raises(ValueError, match="concurrency must be requests at once"):
+            run_benchmark(str(tmp_path / "ckpt"), limit=1, vllm_options={"concurrency": bad})
     given = run_benchmark(str(tmp_path / "ckpt"), data=str(data), limit=1, thresholds=(), max_new_tokens=4,
                           cpu_kernels=False, lookup=PromptLookup(3, 1))
     assert given["tree_lookup"]["lookup"] == "3,1,3" and not given["tree_lookup"]["lookup_chosen_on_validation"]

@@ -340,16 +340,19 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
 
 
 def test_the_benchmark_rows(tiny):
-    """`streamspec eval --peers vllm_streams`'s rows: plain vLLM beside the streams, one request at a
-    time and two at once, each compared with plain vLLM and with the benchmark's baseline."""
+    """`streamspec eval --peers vllm_streams --vllm-schedule FILE`'s rows: plain vLLM beside the
+    streams (fixed K, and drafting by batch size: 3 a step alone, none two at once), one request
+    at a time and two at once, each compared with plain vLLM and with the benchmark's baseline."""
     from streamspec.evaluation.capacity import added_parameters
     from streamspec.evaluation.vllm_peers import vllm_rows
 
     root, prompts = tiny["llama"]["root"], tiny["llama"]["prompts"]
     baseline = tiny["llama"]["runs"][0]["outputs"]
     rows = vllm_rows(("vllm_streams",), str(root / "llama-0-streams"), str(tiny["llama"]["base"]), prompts, NEW_TOKENS,
-                     [o[:NEW_TOKENS] for o in baseline], baseline_tps=100.0, concurrency=(1, 2))
-    assert sorted(rows) == ["vllm", "vllm@2", "vllm_streams", "vllm_streams@2"]
+                     [o[:NEW_TOKENS] for o in baseline], baseline_tps=100.0, concurrency=(1, 2),
+                     schedule=[[1, 1, 3], [2, 8, 0]])
+    assert sorted(rows) == ["vllm", "vllm@2", "vllm_streams", "vllm_streams@2", "vllm_streams_schedule",
+                            "vllm_streams_schedule@2"]
     for name, row in rows.items():
         assert row["identical_to_vllm"] and row["tokens"] > 0
         # speedup and tokens/s are each rounded from the same unrounded figure: related within their roundings
