@@ -7,7 +7,6 @@ prompts come from and under which licence, and what wrote the text.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -88,11 +87,7 @@ def distilled_card_markdown(data: dict) -> str:
 
 def write_distilled_card(out: str | Path, folders: list[str | Path]) -> tuple[Path, Path]:
     """Write the card as Markdown at `out` and as JSON beside it (same name, ``.json``)."""
+    from .sources.prompts import write_card_files
+
     data = distilled_card(folders)
-    out = Path(out)
-    markdown = out if out.suffix != ".json" else out.with_suffix(".md")
-    markdown.parent.mkdir(parents=True, exist_ok=True)
-    markdown.write_text(distilled_card_markdown(data), encoding="utf-8")
-    as_json = markdown.with_suffix(".json")
-    as_json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    return markdown, as_json
+    return write_card_files(out, distilled_card_markdown(data), data)

@@ -157,16 +157,7 @@ class DFlashStreamsDrafter(StreamsDrafter):
             mains, requests, found = found_mains
             main[:requests * per_request] = mains.to(dtype).repeat_interleave(per_request, dim=0)
         stream = (offset + 1).clamp(max=self.num_streams)
-        scale = main.float().pow(2).mean(-1, keepdim=True).sqrt()
-        x = main + (scale * self.stream_vectors.index_select(0, stream).float()).to(dtype)
-        self._rows.mask = torch.ones(count, 1, dtype=dtype, device=positions.device)
-        try:
-            residual = None
-            for layer in self.model.layers:
-                x, residual = layer(positions=positions, hidden_states=x, residual=residual)
-        finally:
-            self._rows.mask = None
-        normed, _ = self.model.norm(x, residual)
+        normed, _ = self._stream_pass(main, stream, torch.ones(count, 1, dtype=dtype, device=positions.device), positions)
         # draft k (mask row k) is stream k, the row before it
         out = normed.index_select(0, rows - (offset > 0).long())
         if self._alignment_log and found is not None:

@@ -230,16 +230,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         is_stream = marked & (index <= self.num_streams) & (positions == positions.index_select(0, origin) + index)
         index = torch.where(is_stream, index, 0)
         main = hidden_states.index_select(0, origin).nan_to_num()
-        scale = main.float().pow(2).mean(-1, keepdim=True).sqrt()
-        x = main + (scale * self.stream_vectors.index_select(0, index).float()).to(main.dtype)
-        self._rows.mask = is_stream[:, None].to(x.dtype)
-        try:
-            residual = None
-            for layer in self.model.layers:
-                x, residual = layer(positions=positions, hidden_states=x, residual=residual)
-        finally:
-            self._rows.mask = None
-        normed, prenorm = self.model.norm(x, residual)
+        normed, prenorm = self._stream_pass(main, index, is_stream[:, None].to(main.dtype), positions)
         # draft k is sampled from the row before stream k (see the module docstring)
         after = (rows + 1).clamp(max=rows.shape[0] - 1)
         take_next = is_stream.index_select(0, after) & (origin.index_select(0, after) == origin) & (after != rows)
@@ -247,6 +238,21 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         if self._alignment_log:
             self._log_alignment(input_ids, positions, normed, out, marked, is_stream, take_next, index)
         return out, prenorm
+
+    def _stream_pass(self, main: torch.Tensor, stream: torch.Tensor, mask: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``main + rms(main)·P_stream`` (stream 0: the main row itself, P_0 = 0) through the
+        drafter's layers, the stream adapters applied where `mask` is 1; (normed, pre-norm)."""
+        scale = main.float().pow(2).mean(-1, keepdim=True).sqrt()
+        x = main + (scale * self.stream_vectors.index_select(0, stream).float()).to(main.dtype)
+        self._rows.mask = mask
+        try:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(positions=positions, hidden_states=x, residual=residual)
+        finally:
+            self._rows.mask = None
+        return self.model.norm(x, residual)
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_base(self) -> None:

@@ -159,6 +159,7 @@ def test_specreason_against_vllm_servers(tmp_path):
     from streamspec.assets import default_model_path
     from streamspec.vllm.client import vllm_python
     from streamspec.vllm.export import export_for_vllm
+    from streamspec.vllm.run import speculative_config
 
     try:
         vllm_python()
@@ -168,8 +169,9 @@ def test_specreason_against_vllm_servers(tmp_path):
     drafter = export_for_vllm("streamspec:smollm2-135m-reason-streams", tmp_path / "drafter")
     # both servers start side by side (their start-up is most of the test's time)
     base, base_port = _vllm_serve(folder, "smol")
-    streams, streams_port = _vllm_serve(folder, "smol-streams", {
-        "method": "eagle3", "model": str(drafter), "num_speculative_tokens": 4, "parallel_drafting": True})
+    # the folder's own method and drafts a step (the default layout's: every stream drafts)
+    streams, streams_port = _vllm_serve(folder, "smol-streams",
+                                        speculative_config({"drafter": "streams", "folder": str(drafter)}))
     base_url, streams_url = f"http://127.0.0.1:{base_port}/v1", f"http://127.0.0.1:{streams_port}/v1"
     try:
         _wait_up(base, base_port, timeout=600)

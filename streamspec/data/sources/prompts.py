@@ -195,10 +195,15 @@ def write_data_card(out: str | Path, prompts: PromptSet | None = None, **load_ar
     """
     prompts = prompts if prompts is not None else load_prompts(**load_args)
     data = card_data(prompts)
+    return write_card_files(out, card_markdown(data), data)
+
+
+def write_card_files(out: str | Path, markdown_text: str, data: dict) -> tuple[Path, Path]:
+    """A card as Markdown at `out` (``.md`` in place of a ``.json`` name) and its data as JSON beside it."""
     out = Path(out)
     markdown = out if out.suffix != ".json" else out.with_suffix(".md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    markdown.write_text(card_markdown(data), encoding="utf-8")
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown.write_text(markdown_text, encoding="utf-8")
     as_json = markdown.with_suffix(".json")
     as_json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return markdown, as_json
