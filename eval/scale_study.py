@@ -4,6 +4,8 @@ each resumable, measure each point's chain on held-out prompts
 
     python eval/scale_study.py --study sql-data --out runs/study-sql
     python eval/scale_study.py --study sql-capacity --out runs/study-sql --points rank-128 full-rank
+    # every point reads an activation store built already (the SQL-at-scale run's)
+    python eval/scale_study.py --study sql-data --set data.activations_path=runs/store-sql-scale
 
 A stopped study continues with the same command (finished points are kept, a point with a
 checkpoint resumes from it, a measured point is not measured again). Run it from the repository
@@ -23,12 +25,14 @@ def main() -> None:
     parser.add_argument("--study", required=True, choices=sorted(STUDIES))
     parser.add_argument("--out", default="runs/study-sql", help="where each point's folder goes")
     parser.add_argument("--points", nargs="+", default=None, help="only these points (default: every one)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides every point shares (not the ones the study varies)")
     parser.add_argument("--no-eval", action="store_true", help="train only")
     parser.add_argument("--task", default="sql", help="the held-out prompts each point is measured on")
     parser.add_argument("--limit", type=int, default=30, help="held-out prompts each point is measured on")
     args = parser.parse_args()
     try:
-        study, points, runs = train_study(args.study, args.out, args.points)
+        study, points, runs = train_study(args.study, args.out, args.points, overrides=args.set)
         evals = None if args.no_eval else [
             evaluate_chain(run / "final", run.parent / f"eval-{point.name}", args.task, args.limit)
             for point, run in zip(points, runs)]

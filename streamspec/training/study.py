@@ -74,17 +74,27 @@ def study_points(name: str, only: list[str] | None = None) -> tuple[Study, list[
     return study, [p for p in study.points if not only or p.name in only]
 
 
-def point_overrides(point: Point, out: Path) -> list[str]:
-    """The ``key=value`` overrides of one point, its output folder included."""
+def point_overrides(point: Point, out: Path, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The ``key=value`` overrides of one point, its output folder included, then `extra`: the
+    ones every point shares (``data.activations_path=DIR``: a store built already); an extra
+    override may not change what the point varies."""
     values = {**point.overrides, "training.output_dir": str(out / point.name)}
-    return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    for item in extra:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not key:
+            raise ValueError(f"an override is KEY=VALUE (e.g. data.activations_path=runs/store), got {item!r}")
+        if key in values:
+            raise ValueError(f"{key} is what the study sets for point {point.name}; it cannot be overridden")
+    return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in values.items()] + list(extra)
 
 
 def has_checkpoint(folder: Path) -> bool:
     return any((p / "trainer_state.json").is_file() for p in folder.glob("checkpoint-*"))
 
 
-def train_point(study: Study, point: Point, out: Path, recipe_root: Path = Path(".")) -> Path:
+def train_point(study: Study, point: Point, out: Path, recipe_root: Path = Path("."),
+                overrides: list[str] | tuple[str, ...] = ()) -> Path:
     """Train one point (or resume it; nothing when it finished); its output folder."""
     from .recipe import load_recipe
     from .trainer import SUMMARY_FILE, run_training
@@ -93,17 +103,19 @@ def train_point(study: Study, point: Point, out: Path, recipe_root: Path = Path(
     if (folder / SUMMARY_FILE).is_file():
         logger.warning("study point %s: trained already (%s)", point.name, folder / SUMMARY_FILE)
         return folder
-    recipe = load_recipe(recipe_root / study.recipe, point_overrides(point, out))
+    recipe = load_recipe(recipe_root / study.recipe, point_overrides(point, out, overrides))
     resume = has_checkpoint(folder)
     logger.warning("study point %s: %s", point.name, "resuming" if resume else "training")
     run_training(recipe, resume=resume)
     return folder
 
 
-def train_study(name: str, out: str | Path, only: list[str] | None = None,
-                recipe_root: Path = Path(".")) -> tuple[Study, list[Point], list[Path]]:
-    """Train a study's points in order (each resumed or kept as above); the study, its points and
-    their output folders."""
+def train_study(name: str, out: str | Path, only: list[str] | None = None, recipe_root: Path = Path("."),
+                overrides: list[str] | tuple[str, ...] = ()) -> tuple[Study, list[Point], list[Path]]:
+    """Train a study's points in order (each resumed or kept as above), every point with
+    `overrides` too (``key=value``); the study, its points and their output folders."""
     study, points = study_points(name, only)
     out = Path(out)
-    return study, points, [train_point(study, point, out, recipe_root) for point in points]
+    for point in points:  # a bad override fails before any point trains
+        point_overrides(point, out, overrides)
+    return study, points, [train_point(study, point, out, recipe_root, overrides) for point in points]

@@ -77,6 +77,7 @@ DEFAULTS = {
 HIDDEN_STATES_DTYPES = ("float32", "bfloat16")
 REPORT = "training.json"
 PREPARED = "prepared.json"  # in the data folder: what its set and hidden states were made of
+PREPARING = "preparing.json"  # the same, while its hidden states are being made (a stopped call resumes them)
 METHODS = ("eagle3", "peagle")
 SPECULATORS_MISSING = ("training a peer drafter needs speculators==0.9.0 (and hs-connectors, datasets) in vLLM's "
                        "environment: run `make vllm`")
@@ -113,34 +114,46 @@ def prepare_dataset(rows: Path, data: Path, max_length: int):
     return dataset
 
 
-def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: Path, dtype: str = "float32") -> int:
+def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: Path, dtype: str = "float32",
+                        progress: bool = True) -> int:
     """Run the target over every row and write its hidden states in speculators' file layout:
     the residual stream entering each layer of `layer_ids` (transformers' ``hidden_states[i]``,
     vLLM's aux hidden state i), then the last layer's output before the final norm (what the
     drafter's loss reconstructs the target's logits from), computed in float32 and written in
-    `dtype`. Returns the tokens processed."""
+    `dtype`. A row whose file is there already is skipped (a stopped run goes on where it
+    stopped; each file is written whole or not at all). Returns the tokens processed."""
     import torch
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    todo = [i for i in range(len(dataset)) if not (folder / f"hs_{i}.safetensors").is_file()]
+    if not todo:
+        return 0
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     body = model.get_decoder()
     captured = {}
     hook = body.norm.register_forward_pre_hook(lambda module, args: captured.__setitem__("last", args[0]))
-    folder.mkdir(parents=True, exist_ok=True)
     tokens = 0
+    bar = tqdm(todo, desc="target hidden states", unit="row", disable=not progress, mininterval=10)
     try:
         with torch.inference_mode():
-            for i in range(len(dataset)):
+            for i in bar:
                 ids = dataset[i]["input_ids"]
                 out = body(input_ids=ids[None], output_hidden_states=True, use_cache=False)
                 states = [out.hidden_states[layer][0] for layer in layer_ids] + [captured.pop("last")[0]]
                 stacked = torch.stack(states, dim=1).to(getattr(torch, dtype)).contiguous()
-                save_file({"hidden_states": stacked, "token_ids": ids.clone()},
-                          str(folder / f"hs_{i}.safetensors"))
+                final = folder / f"hs_{i}.safetensors"
+                partial = final.with_name(final.name + ".part")
+                save_file({"hidden_states": stacked, "token_ids": ids.clone()}, str(partial))
+                os.replace(partial, final)
                 tokens += ids.numel()
+                bar.set_postfix(tokens=tokens, refresh=False)
     finally:
         hook.remove()
+        bar.close()
     return tokens
 
 
@@ -310,7 +323,7 @@ def train(spec: dict) -> dict:
     made_of = {"rows": _sha256(Path(spec["rows"])), "model": str(spec["model"]), "layer_ids": layer_ids,
                "max_length": spec["max_length"], "dtype": spec["hidden_states_dtype"]}
     reused = _prepared(data) == made_of
-    if reused:
+    if reused or _prepared(data, PREPARING) == made_of:  # complete, or stopped while its hidden states were made
         from datasets import load_from_disk
 
         dataset = load_from_disk(str(data))
@@ -318,11 +331,13 @@ def train(spec: dict) -> dict:
     else:
         shutil.rmtree(data, ignore_errors=True)
         dataset = prepare_dataset(Path(spec["rows"]), data, spec["max_length"])
+        (data / PREPARING).write_text(json.dumps(made_of), encoding="utf-8")
     prepared = time.perf_counter()
     hidden_tokens = 0 if reused else write_hidden_states(spec["model"], dataset, layer_ids, data / "hidden_states",
                                                          spec["hidden_states_dtype"])
     if not reused:
         (data / PREPARED).write_text(json.dumps(made_of), encoding="utf-8")
+        (data / PREPARING).unlink(missing_ok=True)
     hidden = time.perf_counter()
 
     import speculators
@@ -400,10 +415,11 @@ def train(spec: dict) -> dict:
     return report
 
 
-def _prepared(data: Path) -> dict | None:
-    """What `data`'s training set and hidden states were made of, when they are complete."""
+def _prepared(data: Path, name: str = PREPARED) -> dict | None:
+    """What `data`'s training set and hidden states were made of, when they are complete
+    (`PREPARING`: what a set whose hidden states are being made is made of)."""
     try:
-        return json.loads((data / PREPARED).read_text(encoding="utf-8"))
+        return json.loads((data / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 

@@ -46,3 +46,33 @@ def test_training_refuses_what_it_cannot_use(tmp_path):
     with pytest.raises(FileExistsError, match="holds no trained drafter"):
         train_peer_drafter("base", [{"input_ids": [1, 2], "loss_mask": [0, 1]}], tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me" and not (tmp_path / "mine-work").exists()
+
+
+def test_hidden_states_resume_where_a_stopped_run_stopped(tiny_dir, tmp_path):
+    """The peers' hidden-state files (speculators' layout): the residual stream entering each named
+    layer and the last layer's output before the final norm; a second call writes only the rows
+    whose file is missing, and those files equal the first call's."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from streamspec.vllm.peer_training import write_hidden_states
+
+    rows = [{"input_ids": torch.tensor([1, 5, 9, 13, 2])}, {"input_ids": torch.tensor([3, 4, 6])},
+            {"input_ids": torch.tensor([7, 8, 10, 11])}]
+    folder = tmp_path / "hidden_states"
+    assert write_hidden_states(str(tiny_dir), rows, [1, 2, 3], folder, progress=False) == 12
+    first = {i: load_file(str(folder / f"hs_{i}.safetensors")) for i in range(3)}
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.model(input_ids=rows[0]["input_ids"][None], output_hidden_states=True)
+    assert first[0]["hidden_states"].shape == (5, 4, 64) and first[0]["token_ids"].tolist() == [1, 5, 9, 13, 2]
+    for slot, layer in enumerate([1, 2, 3]):
+        torch.testing.assert_close(first[0]["hidden_states"][:, slot], out.hidden_states[layer][0])
+    (folder / "hs_1.safetensors").unlink()  # a run stopped before row 1 was written
+    assert write_hidden_states(str(tiny_dir), rows, [1, 2, 3], folder, progress=False) == 3  # row 1 only
+    assert sorted(p.name for p in folder.iterdir()) == [f"hs_{i}.safetensors" for i in range(3)]
+    for i in range(3):
+        again = load_file(str(folder / f"hs_{i}.safetensors"))
+        assert torch.equal(again["hidden_states"], first[i]["hidden_states"])
+    assert write_hidden_states(str(tiny_dir), rows, [1, 2, 3], folder, progress=False) == 0

@@ -24,7 +24,7 @@ def test_a_study_trains_each_point_once_and_resumes_a_stopped_one(tiny_dir, tmp_
               "training.report_to": "none", "training.max_steps": 2, "training.save_steps": 1,
               "training.logging_steps": 1, "training.eval_steps": 2, "training.batch_size": 2,
               "data.path": f"[{_rows(tmp_path / 'train.jsonl', 8)}]", "data.validation_path": _rows(tmp_path / "val.jsonl", 2),
-              "data.activations_path": str(tmp_path / "store"), "data.max_length": 128}
+              "data.max_length": 128}
     tiny = Study(study_module.SQL_SCALE, (Point("half", {**common, "data.train_fraction": 0.5}),
                                           Point("all", dict(common))), "a tiny study")
     monkeypatch.setitem(STUDIES, "tiny", tiny)
@@ -37,17 +37,21 @@ def test_a_study_trains_each_point_once_and_resumes_a_stopped_one(tiny_dir, tmp_
 
     monkeypatch.setattr(trainer_module, "run_training", recorded)
     out = tmp_path / "study"
-    _, points, runs = train_study("tiny", out)
+    shared = [f"data.activations_path={tmp_path / 'store'}"]  # one store every point reads
+    _, points, runs = train_study("tiny", out, overrides=shared)
     assert [c[1] for c in calls] == [False, False] and runs == [out / "half", out / "all"]
+    assert (tmp_path / "store" / "store.json").is_file()
+    for run in runs:
+        assert (run / "recipe.yaml").read_text().count(str(tmp_path / "store")) == 1
     table = capacity_table(runs)
     assert "data 50%" in table and len([line for line in table.splitlines() if line.startswith("| streams")]) == 2
 
     calls.clear()
-    assert train_study("tiny", out)[2] == runs and calls == [] and capacity_table(runs) == table  # kept
+    assert train_study("tiny", out, overrides=shared)[2] == runs and calls == [] and capacity_table(runs) == table  # kept
 
     (out / "all" / "training_summary.json").unlink()  # a point stopped after its first checkpoint
     shutil.rmtree(out / "all" / "checkpoint-2")
-    train_study("tiny", out, ["all"])
+    train_study("tiny", out, ["all"], overrides=shared)
     assert calls == [(str(out / "all"), True)]  # resumed from checkpoint-1
     state = json.loads((out / "all" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
@@ -67,6 +71,10 @@ def test_study_names_and_points_are_checked():
 
     from streamspec.training.recipe import load_recipe
 
+    with pytest.raises(ValueError, match="data.train_fraction is what the study sets for point data-30"):
+        point_overrides(shared[0], Path("runs/x"), ["data.train_fraction=1.0"])
+    with pytest.raises(ValueError, match="an override is KEY=VALUE"):
+        train_study("sql-data", Path("runs/x"), overrides=["data.activations_path"])
     for study in (capacity, data):
         for point in study.points:  # every point is a valid recipe
             recipe = load_recipe(study.recipe, point_overrides(point, Path("runs/x")))
