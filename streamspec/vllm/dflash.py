@@ -39,9 +39,6 @@ metadata of the pass), which no other request's row shares.
 
 from __future__ import annotations
 
-import json
-import logging
-
 import torch
 
 from vllm.config import VllmConfig
@@ -52,8 +49,6 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from .drafter import StreamsDrafter
 from .format import DFLASH, layout_aux_layers
-
-logger = logging.getLogger(__name__)
 
 
 class DFlashStreamsDrafter(StreamsDrafter):
@@ -75,6 +70,13 @@ class DFlashStreamsDrafter(StreamsDrafter):
         self.cache_config = vllm_config.cache_config
         self._aux: torch.Tensor | None = None  # [T, Ns, hidden]: this pass's target states, every layer
         self._context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # slots, positions, main
+        self._ones_rows: torch.Tensor | None = None  # every DFlash row is a stream row: one mask, sliced
+
+    def _ones(self, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        ones = self._ones_rows
+        if ones is None or ones.shape[0] < count or ones.dtype != dtype or ones.device != device:
+            ones = self._ones_rows = torch.ones(max(count, 256), 1, dtype=dtype, device=device)
+        return ones[:count]
 
     def _check_speculative_config(self, spec) -> None:
         if not 1 <= self.num_drafts <= self.num_streams:
@@ -157,7 +159,7 @@ class DFlashStreamsDrafter(StreamsDrafter):
             mains, requests, found = found_mains
             main[:requests * per_request] = mains.to(dtype).repeat_interleave(per_request, dim=0)
         stream = (offset + 1).clamp(max=self.num_streams)
-        normed, _ = self._stream_pass(main, stream, torch.ones(count, 1, dtype=dtype, device=positions.device), positions)
+        normed, _ = self._stream_pass(main, stream, self._ones(count, dtype, positions.device), positions)
         # draft k (mask row k) is stream k, the row before it
         out = normed.index_select(0, rows - (offset > 0).long())
         if self._alignment_log and found is not None:
@@ -175,13 +177,8 @@ class DFlashStreamsDrafter(StreamsDrafter):
             mask_rows = out[:requests * per_request].view(requests, per_request, -1)[:, 1:]
             drafts = self.compute_logits(mask_rows.reshape(-1, mask_rows.shape[-1])).argmax(dim=-1)
             passes = [[int(p) - 1, d] for p, d in zip(grid[:, 0].tolist(), drafts.view(requests, -1).tolist())]
-        agreed = int(found.sum())
-        if agreed < requests or not positions_ok:
-            logger.error("DFlash streams drafter out of alignment: %d of %d requests' main states found at p; "
-                         "query positions %s", agreed, requests, "ok" if positions_ok else "wrong")
-        with open(self._alignment_log, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"checked": requests, "agreed": agreed, "positions_ok": positions_ok,
-                                "passes": passes}) + "\n")
+        self._record_alignment(requests, int(found.sum()), positions_ok, passes,
+                               "requests' main states found at p; query positions")
 
 
 class DFlashLlamaStreamsDrafter(DFlashStreamsDrafter):

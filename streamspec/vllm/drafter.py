@@ -293,9 +293,15 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
             passes = [[int(p), d] for p, d in zip(positions[last].tolist(), drafts.tolist())]
         # a marked row at a real position that is not where its stream belongs
         positions_ok = not bool((marked & ~is_stream & (positions > 0)).any())
+        self._record_alignment(checked, agreed, positions_ok, passes,
+                               "last accepted rows predict the sampled token; stream positions")
+
+    def _record_alignment(self, checked: int, agreed: int, positions_ok: bool, passes: list, what: str) -> None:
+        """One pass's line in the ALIGNMENT_ENV log (either layout); an error logged when a row was
+        out of place."""
         if agreed < checked or not positions_ok:
-            logger.error("streams drafter out of alignment: %d of %d last accepted rows predict the sampled token; "
-                         "stream positions %s", agreed, checked, "ok" if positions_ok else "wrong")
+            logger.error("%s streams drafter out of alignment: %d of %d %s %s", type(self).__name__, agreed, checked,
+                         what, "ok" if positions_ok else "wrong")
         with open(self._alignment_log, "a", encoding="utf-8") as f:
             f.write(json.dumps({"checked": checked, "agreed": agreed, "positions_ok": positions_ok,
                                 "passes": passes}) + "\n")
