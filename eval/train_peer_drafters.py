@@ -9,6 +9,8 @@ holds the parameters trained, the tokens seen and the wall times.
     # a long run in several calls (each continues from the last checkpoint; the hidden states kept)
     python eval/train_peer_drafters.py --distilled DIR1 DIR2 --method eagle3 --resume --checkpoint-freq 0.1 \
         --hidden-states-dtype bfloat16 --max-seconds 3600
+    # a set whose hidden states would not fit the disk: the target runs as training reads each row
+    python eval/train_peer_drafters.py --distilled DIR --method eagle3 --epochs 1 --hidden-states online
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-hidden-states", action="store_true")
     parser.add_argument("--hidden-states-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="what the target's hidden states are stored in (bfloat16: half the disk)")
+    parser.add_argument("--hidden-states", choices=["files", "online"], default="files",
+                        help="the target's hidden states written once before training (files: reused by later "
+                             "epochs, calls and methods) or computed as training reads each row (online: no disk)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in OUT/work (the same rows and settings)")
     parser.add_argument("--checkpoint-freq", type=float, default=1.0,
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             max_length=args.max_length, draft_vocab_size=args.draft_vocab_size or None, lr=args.lr,
             ttt_steps=args.ttt_steps, num_depths=args.num_depths, threads=args.threads, seed=args.seed,
             keep_hidden_states=args.keep_hidden_states or not last, hidden_states_dtype=args.hidden_states_dtype,
-            resume=args.resume, checkpoint_freq=args.checkpoint_freq)
+            hidden_states=args.hidden_states, resume=args.resume, checkpoint_freq=args.checkpoint_freq)
         print(summary_line(report))
         print(json.dumps({"method": "eagle3", "model": str(args.out / method),
                           "num_speculative_tokens": report["num_speculative_tokens"],

@@ -20,7 +20,10 @@ folder, "work": scratch folder, "method": "eagle3" | "peagle", "max_steps": N | 
    ``extract_hidden_states`` method writes them; ``token_ids`` [T]). speculators makes these
    through a vLLM server whose hidden-states connector copies them out with CUDA streams and
    events and pinned memory, which vLLM's CPU build lacks: here transformers runs the target once
-   over each row (float32, as the benchmark serves it);
+   over each row (float32, as the benchmark serves it), written before training (``"hidden_states":
+   "files"``) or, with ``"online"``, computed as training reads each row through a backend of
+   speculators' own hidden-states registry (`register_online_backend`: no disk, one target pass a
+   row an epoch; for sets whose files would not fit the disk);
 3. speculators' trainer (``speculators.train.cli.main`` on a ``TrainConfig`` resolved from its own
    flags), then the last checkpoint (config.json + model.safetensors: speculators' format, which
    vLLM 0.32 loads as ``{"method": "eagle3", "model": folder}``) is copied to ``out``, with
@@ -68,6 +71,10 @@ DEFAULTS = {
     "threads": None,  # torch threads (None: torch's default, OMP_NUM_THREADS)
     "keep_hidden_states": False,
     "hidden_states_dtype": "float32",  # what the hidden states are written and read in (bfloat16: half the disk)
+    # "files": written once before training (disk: (layers + 1) x hidden x 2-4 bytes a token; reused by
+    # later epochs, calls and methods); "online": computed for each row as training reads it (no disk;
+    # recomputed each epoch), through speculators' hidden-states backend registry
+    "hidden_states": "files",
     # continue from the last checkpoint in `work` (speculators' own resume), adding this call's
     # steps, tokens and seconds to the earlier calls'; the hidden states are kept for the next call
     "resume": False,
@@ -75,6 +82,8 @@ DEFAULTS = {
     "extra_args": [],  # more speculators train flags, verbatim
 }
 HIDDEN_STATES_DTYPES = ("float32", "bfloat16")
+HIDDEN_STATES_MODES = ("files", "online")
+ONLINE_BACKEND = "streamspec-target"  # the hidden-states backend of "online": the target run in this process
 REPORT = "training.json"
 PREPARED = "prepared.json"  # in the data folder: what its set and hidden states were made of
 PREPARING = "preparing.json"  # the same, while its hidden states are being made (a stopped call resumes them)
@@ -114,15 +123,39 @@ def prepare_dataset(rows: Path, data: Path, max_length: int):
     return dataset
 
 
+class TargetStates:
+    """The target's hidden states of one row in speculators' file layout: the residual stream
+    entering each layer of `layer_ids` (transformers' ``hidden_states[i]``, vLLM's aux hidden
+    state i), then the last layer's output before the final norm (what the drafter's loss
+    reconstructs the target's logits from), computed in float32 and returned in `dtype`:
+    ``{"hidden_states": [T, len(layer_ids) + 1, hidden], "token_ids": [T]}``."""
+
+    def __init__(self, model_path: str, layer_ids: list[int], dtype: str = "float32") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.body = self.model.get_decoder()
+        self.layer_ids = list(layer_ids)
+        self.dtype = getattr(torch, dtype)
+        self._captured: dict = {}
+        self.body.norm.register_forward_pre_hook(lambda module, args: self._captured.__setitem__("last", args[0]))
+
+    def __call__(self, ids) -> dict:
+        import torch
+
+        with torch.inference_mode():
+            out = self.body(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+            states = [out.hidden_states[layer][0] for layer in self.layer_ids] + [self._captured.pop("last")[0]]
+            stacked = torch.stack(states, dim=1).to(self.dtype).contiguous()
+        return {"hidden_states": stacked, "token_ids": ids.clone()}
+
+
 def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: Path, dtype: str = "float32",
                         progress: bool = True) -> int:
-    """Run the target over every row and write its hidden states in speculators' file layout:
-    the residual stream entering each layer of `layer_ids` (transformers' ``hidden_states[i]``,
-    vLLM's aux hidden state i), then the last layer's output before the final norm (what the
-    drafter's loss reconstructs the target's logits from), computed in float32 and written in
-    `dtype`. A row whose file is there already is skipped (a stopped run goes on where it
-    stopped; each file is written whole or not at all). Returns the tokens processed."""
-    import torch
+    """`TargetStates` of every row of `dataset`, one ``hs_{i}.safetensors`` a row in `folder`. A
+    row whose file is there already is skipped (a stopped run goes on where it stopped; each file
+    is written whole or not at all). Returns the tokens processed."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -130,31 +163,59 @@ def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: 
     todo = [i for i in range(len(dataset)) if not (folder / f"hs_{i}.safetensors").is_file()]
     if not todo:
         return 0
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    body = model.get_decoder()
-    captured = {}
-    hook = body.norm.register_forward_pre_hook(lambda module, args: captured.__setitem__("last", args[0]))
+    target = TargetStates(model_path, layer_ids, dtype)
     tokens = 0
-    bar = tqdm(todo, desc="target hidden states", unit="row", disable=not progress, mininterval=10)
-    try:
-        with torch.inference_mode():
-            for i in bar:
-                ids = dataset[i]["input_ids"]
-                out = body(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-                states = [out.hidden_states[layer][0] for layer in layer_ids] + [captured.pop("last")[0]]
-                stacked = torch.stack(states, dim=1).to(getattr(torch, dtype)).contiguous()
-                final = folder / f"hs_{i}.safetensors"
-                partial = final.with_name(final.name + ".part")
-                save_file({"hidden_states": stacked, "token_ids": ids.clone()}, str(partial))
-                os.replace(partial, final)
-                tokens += ids.numel()
-                bar.set_postfix(tokens=tokens, refresh=False)
-    finally:
-        hook.remove()
-        bar.close()
+    with tqdm(todo, desc="target hidden states", unit="row", disable=not progress, mininterval=10) as bar:
+        for i in bar:
+            ids = dataset[i]["input_ids"]
+            final = folder / f"hs_{i}.safetensors"
+            partial = final.with_name(final.name + ".part")
+            save_file(target(ids), str(partial))
+            os.replace(partial, final)
+            tokens += ids.numel()
+            bar.set_postfix(tokens=tokens, refresh=False)
     return tokens
+
+
+def register_online_backend(model_path: str, layer_ids: list[int], dtype: str, data: Path) -> str:
+    """Register (once per process) speculators' hidden-states backend of the "online" mode: each
+    row's `TargetStates` computed when training reads it, from the prepared set in `data`; its
+    name, for ``--hidden-states-backend``."""
+    from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
+
+    class TargetTransfer(HiddenStatesTransfer):
+        def __init__(self) -> None:
+            from datasets import load_from_disk
+
+            self.rows = load_from_disk(str(data)).with_format("torch")
+            self.target = TargetStates(model_path, layer_ids, dtype)
+
+        def get_cached(self, file_idx: int) -> dict:
+            return self.target(self.rows[file_idx]["input_ids"])
+
+        def get_generated(self, hs_transfer_params: dict) -> None:
+            raise RuntimeError("the online hidden states are computed in this process, never requested from vLLM")
+
+    class TargetBackend(HiddenStatesBackend):
+        @staticmethod
+        def add_train_args(parser) -> None:
+            pass
+
+        @staticmethod
+        def add_launch_args(parser) -> None:
+            pass
+
+        @staticmethod
+        def from_train_args(args, data_path: str) -> TargetTransfer:
+            return TargetTransfer()
+
+        @staticmethod
+        def build_kv_transfer_config(args) -> dict:
+            raise RuntimeError("the online hidden states need no vLLM server")
+
+    HiddenStatesBackend.registry.pop(ONLINE_BACKEND, None)  # this call's target, layers and set
+    HiddenStatesBackend.register(ONLINE_BACKEND)(TargetBackend)
+    return ONLINE_BACKEND
 
 
 def train_args(spec: dict, data: Path, checkpoints: Path, layer_ids: list[int], mask_token_id: int) -> list[str]:
@@ -172,6 +233,8 @@ def train_args(spec: dict, data: Path, checkpoints: Path, layer_ids: list[int], 
             f"--hidden-states-dtype={spec['hidden_states_dtype']}", f"--checkpoint-freq={spec['checkpoint_freq']}"]
     if not spec["resume"]:
         args.append("--no-resume-from-checkpoint")
+    if spec["hidden_states"] == "online":
+        args.append(f"--hidden-states-backend={ONLINE_BACKEND}")
     if spec["method"] == "eagle3":
         args.append(f"--ttt-steps={spec['ttt_steps']}")
     else:
@@ -299,6 +362,8 @@ def train(spec: dict) -> dict:
         raise ValueError(f"method must be one of {METHODS}, got {spec['method']!r}")
     if spec["hidden_states_dtype"] not in HIDDEN_STATES_DTYPES:
         raise ValueError(f"hidden_states_dtype must be one of {HIDDEN_STATES_DTYPES}, got {spec['hidden_states_dtype']!r}")
+    if spec["hidden_states"] not in HIDDEN_STATES_MODES:
+        raise ValueError(f"hidden_states must be one of {HIDDEN_STATES_MODES}, got {spec['hidden_states']!r}")
     import torch
 
     if spec.get("threads"):
@@ -333,9 +398,13 @@ def train(spec: dict) -> dict:
         dataset = prepare_dataset(Path(spec["rows"]), data, spec["max_length"])
         (data / PREPARING).write_text(json.dumps(made_of), encoding="utf-8")
     prepared = time.perf_counter()
-    hidden_tokens = 0 if reused else write_hidden_states(spec["model"], dataset, layer_ids, data / "hidden_states",
-                                                         spec["hidden_states_dtype"])
-    if not reused:
+    online = spec["hidden_states"] == "online"
+    hidden_tokens = 0
+    if online:  # computed as training reads each row (inside the training seconds)
+        register_online_backend(spec["model"], layer_ids, spec["hidden_states_dtype"], data)
+    elif not reused:
+        hidden_tokens = write_hidden_states(spec["model"], dataset, layer_ids, data / "hidden_states",
+                                            spec["hidden_states_dtype"])
         (data / PREPARED).write_text(json.dumps(made_of), encoding="utf-8")
         (data / PREPARING).unlink(missing_ok=True)
     hidden = time.perf_counter()
@@ -404,6 +473,7 @@ def train(spec: dict) -> dict:
         "calls": calls,
         "hidden_state_tokens": hidden_tokens,
         "hidden_states_reused": reused,
+        "hidden_states": spec["hidden_states"],
         "train_metrics": progress.metrics,
         "val_metrics": progress.val_metrics,
         "data": spec.get("data") or {},

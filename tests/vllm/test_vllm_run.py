@@ -184,6 +184,9 @@ def test_peer_training_settings():
                          Path("d"), Path("c"), [1, 2, 3], 0)
     assert "--no-resume-from-checkpoint" not in resumed
     assert "--checkpoint-freq=0.1" in resumed and "--hidden-states-dtype=bfloat16" in resumed
+    assert not any(a.startswith("--hidden-states-backend") for a in args)  # files: speculators' own backend
+    online = train_args({**spec, "hidden_states": "online"}, Path("d"), Path("c"), [1, 2, 3], 0)
+    assert "--hidden-states-backend=streamspec-target" in online
 
 
 def test_eval_runs_every_vllm_row_at_each_concurrency_asked_for(monkeypatch, fake_vllm):
