@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --format vllm: the draft layout (default dflash: vLLM's dflash method, γ drafts; "
                              "peagle: its eagle3 method with parallel drafting, γ+1 drafts, the last a filler; "
                              "docs/serving.md)")
+    export.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="with --format vllm: draft among the N ids the model writes most often (counted in "
+                             "--draft-vocab-from), an LM head of N rows in the drafter's pass (default: every id)")
+    export.add_argument("--draft-vocab-from", nargs="+", default=None, metavar="DISTILLED",
+                        help="the distilled sets (folders or JSONL) the draft vocabulary is counted in")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
     merge = sub.add_parser("merge", help="fold a peft LoRA adapter into its base (a base for lossless streams)")
@@ -336,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--merge writes a self-contained streamed checkpoint; a vLLM drafter never holds the base")
     if args.command == "export" and args.format != "vllm" and args.layout:
         parser.error("--layout is the vLLM drafter's draft layout: it goes with --format vllm")
+    if args.command == "export" and args.format != "vllm" and (args.draft_vocab or args.draft_vocab_from):
+        parser.error("--draft-vocab is the vLLM drafter's draft vocabulary: it goes with --format vllm")
+    if args.command == "export" and (args.draft_vocab is None) != (args.draft_vocab_from is None):
+        parser.error("--draft-vocab N and --draft-vocab-from DISTILLED go together (the size, and the model's own "
+                     "text the ids are counted in)")
     try:
         return _run(args)
     except Exception as err:  # one line for the user; --debug (or STREAMSPEC_DEBUG=1) for the traceback
@@ -370,7 +380,8 @@ def _run(args) -> int:
 
             from .vllm.format import DEFAULT_LAYOUT
 
-            target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype, layout=args.layout or DEFAULT_LAYOUT)
+            target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype, layout=args.layout or DEFAULT_LAYOUT,
+                                     draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from)
             print(target)
             print("serve it with:", serve_command(target), file=sys.stderr)
         else:

@@ -58,7 +58,8 @@ def check_trained_drafters(peers, drafters: dict[str, str] | None) -> dict[str, 
 def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_new_tokens: int,
               baseline_outputs: list[list[int]], baseline_tps: float, dtype: str = "float32",
               concurrency: tuple[int, ...] = (1, CONCURRENT),
-              drafters: dict[str, str] | None = None, schedule: list | None = None) -> dict[str, dict]:
+              drafters: dict[str, str] | None = None, schedule: list | None = None,
+              streams_folder: str | None = None) -> dict[str, dict]:
     """The vLLM rows the benchmark asked for (`peers` ∩ `VLLM_PEERS`), named ``PEER`` (one at a
     time) and ``PEER@N`` (N at once). Plain vLLM always runs when another vLLM row does (the
     others are compared with it). `drafters`: the trained drafters' folders (``{"eagle3": FOLDER,
@@ -66,7 +67,9 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
     vLLM's environment is missing; raises when ``vllm_suffix`` is asked for and that environment
     lacks arctic-inference, or a trained row's folder is missing. `schedule`: vLLM's
     ``num_speculative_tokens_per_batch_size`` for the streams: with ``vllm_streams`` asked for, a
-    ``vllm_streams_schedule`` row decodes with it too."""
+    ``vllm_streams_schedule`` row decodes with it too. `streams_folder`: the streams rows' drafter
+    folder (`streamspec export --format vllm`, e.g. another layout or a pruned draft vocabulary)
+    instead of the checkpoint exported in the default layout."""
     from ..vllm.client import check_suffix_decoding, run_vllm, vllm_python
 
     wanted = [p for p in VLLM_PEERS if p in peers]
@@ -91,7 +94,7 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
             if peer == "vllm_streams":
                 from ..vllm.export import export_for_vllm
 
-                run["folder"] = str(export_for_vllm(checkpoint, tmp))
+                run["folder"] = streams_folder or str(export_for_vllm(checkpoint, tmp))
             if peer == "vllm_streams_schedule":
                 run.update(folder=runs[-1]["folder"], schedule=schedule)
             if peer in folders:
@@ -160,6 +163,9 @@ def add_vllm_arguments(parser) -> None:
     parser.add_argument("--vllm-schedule", default=None, metavar="FILE",
                         help="with vllm_streams: also the vllm_streams_schedule row, the streams drafting by batch "
                              "size (the speculative_config.json `streamspec vllm-calibrate` writes, or a JSON list)")
+    parser.add_argument("--vllm-streams", default=None, metavar="FOLDER",
+                        help="the vllm_streams rows' drafter folder (`streamspec export --format vllm`, e.g. with "
+                             "--draft-vocab or another --layout; default: the checkpoint exported in the default layout)")
     parser.add_argument("--vllm-concurrency", type=int, nargs="+", default=[1, CONCURRENT], metavar="N",
                         help="the vLLM rows' requests at once, one run of each row at each (default: 1 8; e.g. 1 8 32)")
 
@@ -179,6 +185,14 @@ def vllm_options(args) -> dict:
     options = {"concurrency": check_concurrency(args.vllm_concurrency)}
     if args.vllm_schedule:
         options["schedule"] = load_schedule(args.vllm_schedule)
+    if args.vllm_streams:
+        from ..vllm.export import check_drafter_folder
+
+        if not (Path(args.vllm_streams) / "config.json").is_file():
+            raise ValueError(f"--vllm-streams {args.vllm_streams}: no drafter folder there (write one with "
+                             "`streamspec export --format vllm --checkpoint CKPT --out FOLDER`)")
+        check_drafter_folder(args.vllm_streams)
+        options["streams_folder"] = str(args.vllm_streams)
     return options
 
 

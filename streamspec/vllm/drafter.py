@@ -178,6 +178,15 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
                 self._adapt(layer, int(rank))
         # the hidden state vLLM gives mask rows: NaN marks them (a target's hidden state never is)
         self.register_buffer("mask_hidden", torch.full((1, hidden), float("nan"), dtype=dtype), persistent=False)
+        # a pruned draft vocabulary (`streamspec export --draft-vocab N`): the target ids the drafts
+        # are chosen among, and the rows of the target's LM head for them (taken once it is shared)
+        size = facts.get("draft_vocab_size")
+        if size and get_tensor_model_parallel_world_size() > 1:
+            raise ValueError("a drafter folder with a pruned draft vocabulary runs on one tensor-parallel rank; "
+                             "export it without --draft-vocab for tensor parallelism")
+        self.register_buffer("draft_vocab", torch.zeros(int(size), dtype=torch.long) if size else None,
+                             persistent=False)
+        self._draft_head: torch.Tensor | None = None
         self._base_checked = False
         self._alignment_log = os.environ.get(ALIGNMENT_ENV)
 
@@ -209,6 +218,32 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
             parent_path, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             setattr(parent, name, _AdaptedLinear(getattr(parent, name), self._rows, parts, rank, path in _ROW_PARALLEL))
+
+    # -- logits ---------------------------------------------------------------------------------
+    def _full_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def _pruned_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary only: the target's LM head rows of its ids."""
+        if self._draft_head is None or self._draft_head.device != hidden_states.device:
+            self._draft_head = self.lm_head.weight.detach().index_select(0, self.draft_vocab).contiguous()
+        return torch.nn.functional.linear(hidden_states, self._draft_head.to(hidden_states.dtype))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The drafts' logits over the target's vocabulary; with a pruned draft vocabulary, -inf
+        outside it (a draft is always one of its ids; the target verifies every draft)."""
+        if self.draft_vocab is None:
+            return self._full_logits(hidden_states)
+        small = self._pruned_logits(hidden_states)
+        logits = small.new_full((small.shape[0], self.config.vocab_size), float("-inf"))
+        logits[:, self.draft_vocab] = small
+        return logits
+
+    def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The greedy drafts' target ids (vLLM's ``use_local_argmax_reduction``)."""
+        if self.draft_vocab is None:
+            return self._full_logits(hidden_states).argmax(dim=-1)
+        return self.draft_vocab.index_select(0, self._pruned_logits(hidden_states).argmax(dim=-1))
 
     # -- the pass ---------------------------------------------------------------------------------
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -285,7 +320,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         last = ((~is_stream) & take_next).nonzero().flatten()
         checked, agreed, passes = int(last.numel()), 0, []
         if checked:
-            agreed = int((self.compute_logits(normed[last]).argmax(dim=-1) == input_ids[last].long()).sum())
+            agreed = int((self._full_logits(normed[last]).argmax(dim=-1) == input_ids[last].long()).sum())
             # this pass's K'−1 stream rows after each last accepted row (K' may vary by batch size)
             streams = int(torch.where(is_stream, index, 0).max())
             rows = (last[:, None] + torch.arange(streams, device=last.device)).clamp(max=out.shape[0] - 1)
@@ -320,6 +355,11 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
                 self.stream_vectors[1:].copy_(tensor)
                 loaded.add(name)
                 continue
+            if name == "draft_vocab" and self.draft_vocab is not None and tensor.shape == self.draft_vocab.shape:
+                self.draft_vocab.copy_(tensor)
+                self._draft_head = None
+                loaded.add(name)
+                continue
             if name.startswith("adapters."):
                 _, layer, linear, which = name.split(".")
                 adapters.setdefault((int(layer), linear.replace("-", ".")), {})[which] = tensor
@@ -343,6 +383,8 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
             self._load_adapter(layer, linear, pair, tp_rank, tp_size)
         expected = {n for n in params if not n.startswith(("model.embed_tokens", "lm_head")) and not n.endswith(".down")
                     and ".ups." not in n}
+        if self.draft_vocab is not None:
+            expected.add("draft_vocab")
         missing = sorted(expected - loaded)
         if unexpected or missing:
             raise ValueError(f"the drafter folder does not match its config: missing {missing[:5]}, unexpected "

@@ -5,6 +5,12 @@ Ns layers, the aux layer id N−Ns vLLM feeds it, the mask token, and a ``stream
 γ, Ns, the adapter rank and the base's facts) and ``model.safetensors``: the base's top Ns layers,
 its final norm, the stream vectors and the stream adapters. No embeddings or LM head: vLLM shares
 the served model's with the drafter. Runs without vLLM.
+
+A pruned draft vocabulary (`draft_vocabulary`, ``--draft-vocab N``): the drafts are chosen among
+the N ids the model itself writes most often (counted in distilled sets), so the drafter's LM head
+is N rows of the target's instead of all of them. The folder then also holds ``draft_vocab`` (the
+ids, ascending) and ``streamspec.draft_vocab_size``. Outputs are the same (the target verifies
+every draft); a draft that would have been outside the N ids is another one, usually rejected.
 """
 
 from __future__ import annotations
@@ -83,6 +89,36 @@ def drafter_config(model, base_name: str | None, layout: str = DEFAULT_LAYOUT) -
     return out
 
 
+def draft_vocabulary(sources: list[str | Path], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` ids the model writes most often in the distilled sets `sources` (files or shard
+    folders whose rows carry ``completion_ids``), ascending (ties: the lower id first)."""
+    from ..data.distill import read_distilled
+
+    if not 1 <= size < vocab_size:
+        raise ValueError(f"a draft vocabulary is 1..{vocab_size - 1} ids (the model's vocabulary is {vocab_size}), "
+                         f"got {size}")
+    if not sources:
+        raise ValueError("a draft vocabulary is counted in the model's own text: name distilled sets "
+                         "(--draft-vocab-from FOLDER ...)")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    rows = 0
+    for source in sources:
+        for row in read_distilled(source):
+            ids = row.get("completion_ids")
+            if ids is None:
+                raise ValueError(f"{source}: a row without completion_ids (a draft vocabulary is counted in the "
+                                 "model's own ids: distil the set with `streamspec distill`)")
+            ids = torch.as_tensor(ids, dtype=torch.long)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                raise ValueError(f"{source}: completion ids outside the model's vocabulary of {vocab_size}")
+            counts += torch.bincount(ids, minlength=vocab_size)
+            rows += 1
+    if not rows:
+        raise ValueError(f"no rows in {[str(s) for s in sources]}")
+    order = torch.sort(counts, descending=True, stable=True).indices[:size]  # ties: the lower id first
+    return order.sort().values
+
+
 def check_exportable(stream_config, model_type: str) -> None:
     """Refuse what vLLM's drafter cannot run, saying why."""
     from ..patch.saving import CheckpointError
@@ -101,13 +137,17 @@ def check_exportable(stream_config, model_type: str) -> None:
 
 
 def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.dtype | None = None,
-                    layout: str = DEFAULT_LAYOUT) -> Path:
+                    layout: str = DEFAULT_LAYOUT, draft_vocab: int | None = None,
+                    draft_vocab_from: list[str | Path] | None = None) -> Path:
     """Write the vLLM drafter folder for a lossless streamed checkpoint into `out`, for `layout`
-    (`streamspec.vllm.format.LAYOUTS`); returns it.
+    (`streamspec.vllm.format.LAYOUTS`); returns it. `draft_vocab` N: drafts among the N ids the
+    model writes most often in the distilled sets `draft_vocab_from` (`draft_vocabulary`).
 
     Serve it with the line `serve_command` prints (docs/serving.md), after ``pip install
     streamspec`` in vLLM's environment."""
     check_layout(layout)
+    if draft_vocab_from and not draft_vocab:
+        raise ValueError("--draft-vocab-from names the text a draft vocabulary is counted in: give its size, --draft-vocab N")
     from ..config import StreamConfig
     from ..devices import dtype_or_base
     from ..patch.checkpoint import checkpoint_folder, load_streamed, read_checkpoint_meta, recorded_base
@@ -120,6 +160,10 @@ def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.
     model = load_streamed(folder, dtype=dtype_or_base(dtype, base_name))
     tensors = drafter_tensors(model)
     config = drafter_config(model, meta.get("base_model", {}).get("name_or_path") or base_name, layout)
+    if draft_vocab:
+        tensors["draft_vocab"] = draft_vocabulary(list(draft_vocab_from or []), int(draft_vocab),
+                                                  int(model.hf_model.config.vocab_size))
+        config["streamspec"]["draft_vocab_size"] = int(draft_vocab)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -146,6 +190,13 @@ def check_drafter_folder(folder: str | Path) -> dict:
         problems.append("no stream_vectors or norm.weight")
     if bool(adapters) != bool(facts.get("stream_adapter_rank")):
         problems.append(f"{len(adapters)} adapter tensors for stream_adapter_rank={facts.get('stream_adapter_rank')}")
+    size = facts.get("draft_vocab_size")
+    if size or "draft_vocab" in names:
+        vocab = load_file(str(folder / WEIGHTS_FILE)).get("draft_vocab")
+        if (vocab is None or not size or vocab.shape != (size,) or not bool((vocab[1:] > vocab[:-1]).all())
+                or int(vocab[0]) < 0 or int(vocab[-1]) >= int(facts["vocab_size"])):
+            problems.append(f"draft_vocab_size={size} but the draft_vocab tensor is "
+                            f"{'missing' if vocab is None else tuple(vocab.shape)} (ascending ids of the vocabulary expected)")
     if problems:
         raise ValueError(f"{folder}: " + "; ".join(problems))
     return config

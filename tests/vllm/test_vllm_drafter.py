@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from streamspec import StreamConfig, add_streams, load_streamed
@@ -77,14 +78,17 @@ def run_records(log: list[dict], runs: list[dict], index: int) -> tuple[list[dic
     return log[start:runs[index]["alignment_lines"][-1]], start
 
 
-def drafts_agreement(model, prompts: list[list[int]], outputs: list[list[int]], passes: list[list]) -> tuple[int, int]:
+def drafts_agreement(model, prompts: list[list[int]], outputs: list[list[int]], passes: list[list],
+                     vocab: torch.Tensor | None = None) -> tuple[int, int]:
     """How many logged drafts equal streamspec's own stream predictions (the argmax of stream j at
-    position p over the final text, lossless: it depends on the tokens up to p only)."""
+    position p over the final text, lossless: it depends on the tokens up to p only; among the ids
+    of `vocab` when given)."""
     same = total = 0
     for prompt, output, logged in zip(prompts, outputs, passes):
         ids = torch.tensor([prompt + output])
         with torch.no_grad():
-            streams = model(ids, streams_at="all").stream_logits[0].argmax(-1)  # [T, γ]
+            logits = model(ids, streams_at="all").stream_logits[0]  # [T, γ, V]
+            streams = logits.argmax(-1) if vocab is None else vocab[logits[..., vocab].argmax(-1)]
         for p, drafts in logged:
             for j, token in enumerate(drafts):
                 if p < ids.shape[1]:
@@ -164,6 +168,18 @@ def tiny(tmp_path_factory):
         dflash = export_for_vllm(root / f"{arch}-0-streams", root / f"{arch}-0-dflash", layout="dflash")
         runs += [{"model": str(folders[arch][0]), "drafter": "streams", "folder": str(dflash), "name": f"{arch}-dflash",
                   "concurrency": n} for n in (1, 3)]
+    # the DFlash layout with a pruned draft vocabulary: the 48 ids the base's greedy text of the
+    # prompts uses most (transformers' generate, written as a distilled set)
+    base_model = AutoModelForCausalLM.from_pretrained(folders["llama"][0]).eval()
+    with torch.no_grad():
+        greedy = [base_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    text = root / "greedy.jsonl"
+    text.write_text("".join(json.dumps({"prompt": "p", "completion": "c", "completion_ids": ids}) + "\n" for ids in greedy))
+    pruned = export_for_vllm(root / "llama-0-streams", root / "llama-0-dflash-pruned", layout="dflash",
+                             draft_vocab=48, draft_vocab_from=[text])
+    runs.append({"model": str(folders["llama"][0]), "drafter": "streams", "folder": str(pruned),
+                 "name": "llama-dflash-pruned"})
     try:  # without arctic-inference the suffix test fails, saying so, and the others still run
         check_suffix_decoding()
         runs.append({"model": str(folders["llama"][0]), "drafter": "suffix", "name": "llama-suffix"})
@@ -198,6 +214,9 @@ def tiny(tmp_path_factory):
         results["dflash"][arch] = dict(one=done[index], batched=done[index + 1],
                                        log_one=run_records(records, done, index),
                                        log_batched=run_records(records, done, index + 1)[0])
+    index = by_name["llama-dflash-pruned"]
+    results["pruned"] = dict(run=done[index], log=run_records(records, done, index),
+                             vocab=load_file(str(pruned / "model.safetensors"))["draft_vocab"])
     results["suffix"] = dict(run=done[by_name["llama-suffix"]] if not suffix_missing else None,
                              plain=done[by_name["llama-plain"]], missing=suffix_missing)
     results["trained"] = dict(runs={m: done[by_name[f"llama-{m}"]] for m in ("eagle3", "peagle")
@@ -249,6 +268,27 @@ def test_the_dflash_layout_drafts_gamma_tokens_from_the_streams(tiny, arch):
     same, total = batched_agreement(model, prompts, batched["outputs"],
                                     [entry for record in log_batched for entry in record["passes"]])
     assert total >= NEW_TOKENS and same == total
+
+
+def test_a_pruned_draft_vocabulary_drafts_among_its_ids(tiny):
+    """`--draft-vocab 48`: the drafter's LM head is 48 rows of the target's; every draft is one of
+    those ids, namely the streams' argmax among them (streamspec's own stream logits restricted
+    to the vocabulary), and the outputs stay vLLM's own."""
+    run, plain = tiny["pruned"]["run"], tiny["llama"]["runs"][0]
+    vocab = tiny["pruned"]["vocab"]
+    assert vocab.shape == (48,) and run["num_speculative_tokens"] == 3
+    assert run["outputs"] == plain["outputs"]
+    log, start = tiny["pruned"]["log"]
+    check_alignment(log)  # the main rows still predict the sampled token over the whole vocabulary
+    drafts = [d for record in log for _, ds in record["passes"] for d in ds]
+    assert drafts and set(drafts) <= set(vocab.tolist())
+    model = load_streamed(tiny["llama"]["root"] / "llama-0-streams")
+    passes = passes_by_prompt(tiny["llama"]["full_log"], run["alignment_lines"], start)
+    prompts = tiny["llama"]["prompts"]
+    same, total = drafts_agreement(model, prompts, run["outputs"], passes, vocab=vocab)
+    assert total >= 3 * NEW_TOKENS and same == total
+    unpruned, _ = drafts_agreement(model, prompts, run["outputs"], passes)
+    assert unpruned < total  # the whole vocabulary's argmax is often elsewhere: the pruning is what drafted
 
 
 def test_a_drafter_fed_the_wrong_layer_is_caught(tiny):

@@ -226,3 +226,61 @@ def test_the_layout_comparison_rows():
     assert rows[("dflash", 1)]["identical"] and not rows[("dflash", 8)]["identical"]
     with pytest.raises(ValueError, match="no plain vLLM run at concurrency 1 to compare the .peagle. rows"):
         layout_rows(runs[2:4], [result(r) for r in runs[2:4]])
+
+
+def _distilled(path, completions):
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": "x", "completion_ids": ids}) + "\n"
+                            for i, ids in enumerate(completions)))
+    return path
+
+
+def test_the_draft_vocabulary_is_the_ids_the_model_writes_most(tmp_path):
+    from streamspec.vllm.export import draft_vocabulary
+
+    one = _distilled(tmp_path / "a.jsonl", [[5, 5, 9, 2], [7, 5, 2]])
+    two = _distilled(tmp_path / "b.jsonl", [[9, 9, 2, 11]])
+    # counts: 5×3, 9×3, 2×3, 7×1, 11×1; ties go to the lower id; ascending
+    assert draft_vocabulary([one, two], 3, 16).tolist() == [2, 5, 9]
+    assert draft_vocabulary([one, two], 4, 16).tolist() == [2, 5, 7, 9]
+    assert draft_vocabulary([one], 2, 16).tolist() == [2, 5]
+    with pytest.raises(ValueError, match=r"1\.\.15 ids"):
+        draft_vocabulary([one], 16, 16)
+    with pytest.raises(ValueError, match="name distilled sets"):
+        draft_vocabulary([], 4, 16)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        draft_vocabulary([_distilled(tmp_path / "c.jsonl", [[3, 40]])], 4, 16)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "q", "completion": "SELECT"}) + "\n")
+    with pytest.raises(ValueError, match="without completion_ids"):
+        draft_vocabulary([tmp_path / "d.jsonl"], 4, 16)
+
+
+def test_a_pruned_draft_vocabulary_is_written_and_checked(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    _, ckpt, model = streamed_checkpoint(tmp_path, "llama")
+    vocab = model.hf_model.config.vocab_size
+    text = _distilled(tmp_path / "text.jsonl", [[i % 40 + 3 for i in range(200)], [vocab - 1] * 50])
+    out = tmp_path / "pruned"
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(out), "--draft-vocab", "8",
+                 "--draft-vocab-from", str(text)]) == 0
+    config = check_drafter_folder(out)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["streamspec"]["draft_vocab_size"] == 8
+    assert tensors["draft_vocab"].tolist() == [3, 4, 5, 6, 7, 8, 9, vocab - 1]  # 50× the last id; 5× each of 3..42
+    plain = load_file(str(export_for_vllm(ckpt, tmp_path / "plain") / "model.safetensors"))
+    assert "draft_vocab" not in plain and plain.keys() == tensors.keys() - {"draft_vocab"}
+    # a folder whose ids do not match its size, or are not ascending, is refused
+    save_file({**tensors, "draft_vocab": tensors["draft_vocab"][:4]}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="draft_vocab_size=8"):
+        check_drafter_folder(out)
+    save_file({**tensors, "draft_vocab": tensors["draft_vocab"].flip(0)}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="ascending"):
+        check_drafter_folder(out)
+    for wrong in (["--draft-vocab", "8"], ["--draft-vocab-from", str(text)]):
+        with pytest.raises(SystemExit):
+            main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(tmp_path / "x"), *wrong])
+        assert "go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "y"), "--draft-vocab", "8",
+              "--draft-vocab-from", str(text)])
+    assert "goes with --format vllm" in capsys.readouterr().err
