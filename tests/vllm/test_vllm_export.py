@@ -228,6 +228,21 @@ def test_the_layout_comparison_rows():
         layout_rows(runs[2:4], [result(r) for r in runs[2:4]])
 
 
+def test_a_draft_vocabulary_variant_is_its_own_row():
+    from streamspec.evaluation.vllm_layouts import layout_rows, layout_runs, variant_key, variant_label
+
+    key = variant_key("dflash", 8192)
+    assert variant_key("dflash") == "dflash" and key != "dflash"
+    assert variant_label(key) == "streams, DFlash layout, 8,192-id draft vocabulary"
+    assert variant_label("dflash") == "streams, DFlash layout" and variant_label("none") == "vLLM plain"
+    runs = layout_runs({"dflash": "D", key: "V"}, concurrency=(1,))
+    assert [(r["layout"], r.get("folder")) for r in runs] == [("none", None), ("dflash", "D"), (key, "V")]
+    result = {"tokens": 10, "seconds": 1.0, "tokens_per_s": 10.0, "num_speculative_tokens": 3, "outputs": [[1]],
+              "counters": {"vllm:spec_decode_num_drafts": 2, "vllm:spec_decode_num_accepted_tokens": 2}}
+    rows = layout_rows(runs, [result] * 3)
+    assert [r["row"] for r in rows] == ["vLLM plain", "streams, DFlash layout", variant_label(key)]
+
+
 def _distilled(path, completions):
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": "x", "completion_ids": ids}) + "\n"
                             for i, ids in enumerate(completions)))
