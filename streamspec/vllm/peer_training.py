@@ -402,9 +402,10 @@ def train(spec: dict) -> dict:
     hidden_tokens = 0
     if online:  # computed as training reads each row (inside the training seconds)
         register_online_backend(spec["model"], layer_ids, spec["hidden_states_dtype"], data)
-    elif not reused:
+    else:  # the rows without their file (all of them in a new set; none when reused whole)
         hidden_tokens = write_hidden_states(spec["model"], dataset, layer_ids, data / "hidden_states",
                                             spec["hidden_states_dtype"])
+        reused = reused and hidden_tokens == 0
         (data / PREPARED).write_text(json.dumps(made_of), encoding="utf-8")
         (data / PREPARING).unlink(missing_ok=True)
     hidden = time.perf_counter()

@@ -27,7 +27,12 @@ def test_online_hidden_states_train_the_drafter_the_files_train(tiny_dir, tmp_pa
     common = dict(method="eagle3", epochs=2, max_steps=3, total_seq_len=64, draft_vocab_size=128,
                   train_data_ratio=0.75, threads=1)
     try:
-        files = train_peer_drafter(str(tiny_dir), examples, tmp_path / "files", work=tmp_path / "work-files", **common)
+        files = train_peer_drafter(str(tiny_dir), examples, tmp_path / "files", work=tmp_path / "work-files",
+                                   keep_hidden_states=True, **common)
+        # a file lost after the set was complete (a copied work folder): written again, the rest reused
+        (tmp_path / "work-files" / "data" / "hidden_states" / "hs_2.safetensors").unlink()
+        again_files = train_peer_drafter(str(tiny_dir), examples, tmp_path / "files-again", work=tmp_path / "work-files",
+                                         **common)
         online = train_peer_drafter(str(tiny_dir), examples, tmp_path / "online", work=tmp_path / "work-online",
                                     hidden_states="online", **common)
     except VLLMRunError as err:
@@ -35,8 +40,11 @@ def test_online_hidden_states_train_the_drafter_the_files_train(tiny_dir, tmp_pa
     assert files["hidden_states"] == "files" and files["hidden_state_tokens"] == sum(len(e["input_ids"]) for e in examples)
     assert online["hidden_states"] == "online" and online["hidden_state_tokens"] == 0
     assert not (tmp_path / "work-online" / "data" / "hidden_states").exists()  # nothing written
+    assert again_files["hidden_state_tokens"] == len(examples[2]["input_ids"]) and not again_files["hidden_states_reused"]
     assert files["steps"] == online["steps"] == 3 and files["tokens_seen"] == online["tokens_seen"] > 0
     trained, again = load_file(str(tmp_path / "files" / "model.safetensors")), load_file(str(tmp_path / "online" / "model.safetensors"))
     assert trained.keys() == again.keys()
+    rewritten = load_file(str(tmp_path / "files-again" / "model.safetensors"))
     for name, tensor in trained.items():
         assert torch.equal(tensor, again[name]), name
+        assert torch.equal(tensor, rewritten[name]), name
