@@ -16,6 +16,7 @@ counters), whether its outputs equal vLLM's without speculation at the same conc
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 VLLM_PEERS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_streams", "vllm_eagle3", "vllm_peagle")
 CONCURRENT = 8
@@ -132,7 +133,6 @@ def drafter_facts(folder: str) -> dict:
     """A trained peer's parameters and training time (its ``training.json``, from
     `streamspec.vllm.peer_training`); {} when the folder has none."""
     import json
-    from pathlib import Path
 
     path = Path(folder) / "training.json"
     if not path.is_file():
@@ -147,7 +147,6 @@ def streams_facts(checkpoint: str) -> dict:
     """The streams' parameters (their weights file) and, when the checkpoint is a training run's
     ``final`` folder, that run's training time (``training_summary.json`` beside it)."""
     import json
-    from pathlib import Path
 
     from ..assets import shipped_or_path
     from .capacity import added_parameters

@@ -187,6 +187,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         self.register_buffer("draft_vocab", torch.zeros(int(size), dtype=torch.long) if size else None,
                              persistent=False)
         self._draft_head: torch.Tensor | None = None
+        self._draft_head_of: torch.Tensor | None = None  # the LM head weight the rows were taken from
         self._base_checked = False
         self._alignment_log = os.environ.get(ALIGNMENT_ENV)
 
@@ -225,8 +226,10 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
 
     def _pruned_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary only: the target's LM head rows of its ids."""
-        if self._draft_head is None or self._draft_head.device != hidden_states.device:
-            self._draft_head = self.lm_head.weight.detach().index_select(0, self.draft_vocab).contiguous()
+        weight = self.lm_head.weight  # the served model's once vLLM shares it: taken again if it changes
+        if self._draft_head is None or self._draft_head_of is not weight:
+            self._draft_head = weight.detach().index_select(0, self.draft_vocab).contiguous()
+            self._draft_head_of = weight
         return torch.nn.functional.linear(hidden_states, self._draft_head.to(hidden_states.dtype))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -178,9 +178,9 @@ def write_hidden_states(model_path: str, dataset, layer_ids: list[int], folder: 
 
 
 def register_online_backend(model_path: str, layer_ids: list[int], dtype: str, data: Path) -> str:
-    """Register (once per process) speculators' hidden-states backend of the "online" mode: each
-    row's `TargetStates` computed when training reads it, from the prepared set in `data`; its
-    name, for ``--hidden-states-backend``."""
+    """Register speculators' hidden-states backend of the "online" mode (in place of an earlier
+    call's): each row's `TargetStates` computed when training reads it, from the prepared set in
+    `data`; its name, for ``--hidden-states-backend``."""
     from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
     class TargetTransfer(HiddenStatesTransfer):

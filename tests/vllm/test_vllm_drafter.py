@@ -168,18 +168,6 @@ def tiny(tmp_path_factory):
         dflash = export_for_vllm(root / f"{arch}-0-streams", root / f"{arch}-0-dflash", layout="dflash")
         runs += [{"model": str(folders[arch][0]), "drafter": "streams", "folder": str(dflash), "name": f"{arch}-dflash",
                   "concurrency": n} for n in (1, 3)]
-    # the DFlash layout with a pruned draft vocabulary: the 48 ids the base's greedy text of the
-    # prompts uses most (transformers' generate, written as a distilled set)
-    base_model = AutoModelForCausalLM.from_pretrained(folders["llama"][0]).eval()
-    with torch.no_grad():
-        greedy = [base_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                      pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    text = root / "greedy.jsonl"
-    text.write_text("".join(json.dumps({"prompt": "p", "completion": "c", "completion_ids": ids}) + "\n" for ids in greedy))
-    pruned = export_for_vllm(root / "llama-0-streams", root / "llama-0-dflash-pruned", layout="dflash",
-                             draft_vocab=48, draft_vocab_from=[text])
-    runs.append({"model": str(folders["llama"][0]), "drafter": "streams", "folder": str(pruned),
-                 "name": "llama-dflash-pruned"})
     try:  # without arctic-inference the suffix test fails, saying so, and the others still run
         check_suffix_decoding()
         runs.append({"model": str(folders["llama"][0]), "drafter": "suffix", "name": "llama-suffix"})
@@ -214,9 +202,6 @@ def tiny(tmp_path_factory):
         results["dflash"][arch] = dict(one=done[index], batched=done[index + 1],
                                        log_one=run_records(records, done, index),
                                        log_batched=run_records(records, done, index + 1)[0])
-    index = by_name["llama-dflash-pruned"]
-    results["pruned"] = dict(run=done[index], log=run_records(records, done, index),
-                             vocab=load_file(str(pruned / "model.safetensors"))["draft_vocab"])
     results["suffix"] = dict(run=done[by_name["llama-suffix"]] if not suffix_missing else None,
                              plain=done[by_name["llama-plain"]], missing=suffix_missing)
     results["trained"] = dict(runs={m: done[by_name[f"llama-{m}"]] for m in ("eagle3", "peagle")
@@ -270,20 +255,40 @@ def test_the_dflash_layout_drafts_gamma_tokens_from_the_streams(tiny, arch):
     assert total >= NEW_TOKENS and same == total
 
 
-def test_a_pruned_draft_vocabulary_drafts_among_its_ids(tiny):
+@pytest.fixture(scope="module")
+def pruned(tiny):
+    """The llama streams in the DFlash layout with a pruned draft vocabulary (the 48 ids the base's
+    greedy text of the prompts uses most: transformers' generate, written as a distilled set),
+    decoded in a vLLM process of their own; the run, its alignment log and the ids."""
+    root, base = tiny["llama"]["root"], tiny["llama"]["base"]
+    prompts = tiny["llama"]["prompts"]
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    text = root / "greedy.jsonl"
+    text.write_text("".join(json.dumps({"prompt": "p", "completion": "c", "completion_ids": ids}) + "\n" for ids in greedy))
+    folder = export_for_vllm(root / "llama-0-streams", root / "llama-0-dflash-pruned", layout="dflash",
+                             draft_vocab=48, draft_vocab_from=[text])
+    log = root / "alignment-pruned.jsonl"
+    spec = {"model": str(base), "prompts": prompts, "max_tokens": NEW_TOKENS, "ignore_eos": True, "warmup": False,
+            "max_model_len": 256, "runs": [{"drafter": "streams", "folder": str(folder), "name": "llama-dflash-pruned"}]}
+    run = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"][0]
+    return dict(run=run, log=read_log(log), vocab=load_file(str(folder / "model.safetensors"))["draft_vocab"])
+
+
+def test_a_pruned_draft_vocabulary_drafts_among_its_ids(tiny, pruned):
     """`--draft-vocab 48`: the drafter's LM head is 48 rows of the target's; every draft is one of
     those ids, namely the streams' argmax among them (streamspec's own stream logits restricted
     to the vocabulary), and the outputs stay vLLM's own."""
-    run, plain = tiny["pruned"]["run"], tiny["llama"]["runs"][0]
-    vocab = tiny["pruned"]["vocab"]
+    run, plain, vocab, log = pruned["run"], tiny["llama"]["runs"][0], pruned["vocab"], pruned["log"]
     assert vocab.shape == (48,) and run["num_speculative_tokens"] == 3
     assert run["outputs"] == plain["outputs"]
-    log, start = tiny["pruned"]["log"]
     check_alignment(log)  # the main rows still predict the sampled token over the whole vocabulary
     drafts = [d for record in log for _, ds in record["passes"] for d in ds]
     assert drafts and set(drafts) <= set(vocab.tolist())
     model = load_streamed(tiny["llama"]["root"] / "llama-0-streams")
-    passes = passes_by_prompt(tiny["llama"]["full_log"], run["alignment_lines"], start)
+    passes = passes_by_prompt(log, run["alignment_lines"])
     prompts = tiny["llama"]["prompts"]
     same, total = drafts_agreement(model, prompts, run["outputs"], passes, vocab=vocab)
     assert total >= 3 * NEW_TOKENS and same == total

@@ -284,6 +284,13 @@ def test_a_pruned_draft_vocabulary_is_written_and_checked(tmp_path, capsys):
     assert tensors["draft_vocab"].tolist() == [3, 4, 5, 6, 7, 8, 9, vocab - 1]  # 50× the last id; 5× each of 3..42
     plain = load_file(str(export_for_vllm(ckpt, tmp_path / "plain") / "model.safetensors"))
     assert "draft_vocab" not in plain and plain.keys() == tensors.keys() - {"draft_vocab"}
+    # `streamspec eval --vllm-streams FOLDER` takes such a folder for the streams rows
+    from types import SimpleNamespace
+
+    from streamspec.evaluation.vllm_peers import vllm_options
+
+    options = vllm_options(SimpleNamespace(vllm_concurrency=[1], vllm_schedule=None, vllm_streams=str(out)))
+    assert options == {"concurrency": (1,), "streams_folder": str(out)}
     # a folder whose ids do not match its size, or are not ascending, is refused
     save_file({**tensors, "draft_vocab": tensors["draft_vocab"][:4]}, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="draft_vocab_size=8"):

@@ -206,6 +206,8 @@ def test_eval_runs_every_vllm_row_at_each_concurrency_asked_for(monkeypatch, fak
 
     main(["eval", "--checkpoint", "c", "--peers", "vllm_ngram", "--vllm-concurrency", "1", "8", "32"])
     assert seen["vllm_options"] == {"concurrency": (1, 8, 32)}
+    # --vllm-streams: an exported drafter folder for the streams rows, checked before anything runs
+    assert main(["eval", "--checkpoint", "c", "--peers", "vllm_streams", "--vllm-streams", "/nonexistent"]) != 0
     vllm_rows(("vllm_ngram",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0, **seen["vllm_options"])
     assert [(r["name"], r["concurrency"]) for r in fake_vllm[0]["runs"]] == [
         ("vllm", 1), ("vllm@8", 8), ("vllm@32", 32), ("vllm_ngram", 1), ("vllm_ngram@8", 8), ("vllm_ngram@32", 32)]
