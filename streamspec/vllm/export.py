@@ -103,16 +103,15 @@ def draft_vocabulary(sources: list[str | Path], size: int, vocab_size: int) -> t
     counts = torch.zeros(vocab_size, dtype=torch.long)
     rows = 0
     for source in sources:
-        for row in read_distilled(source):
-            ids = row.get("completion_ids")
-            if ids is None:
-                raise ValueError(f"{source}: a row without completion_ids (a draft vocabulary is counted in the "
-                                 "model's own ids: distil the set with `streamspec distill`)")
-            ids = torch.as_tensor(ids, dtype=torch.long)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-                raise ValueError(f"{source}: completion ids outside the model's vocabulary of {vocab_size}")
-            counts += torch.bincount(ids, minlength=vocab_size)
-            rows += 1
+        completions = [row.get("completion_ids") for row in read_distilled(source)]
+        if any(ids is None for ids in completions):
+            raise ValueError(f"{source}: a row without completion_ids (a draft vocabulary is counted in the "
+                             "model's own ids: distil the set with `streamspec distill`)")
+        ids = torch.tensor([i for one in completions for i in one], dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError(f"{source}: completion ids outside the model's vocabulary of {vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)  # one count a set, not a row
+        rows += len(completions)
     if not rows:
         raise ValueError(f"no rows in {[str(s) for s in sources]}")
     order = torch.sort(counts, descending=True, stable=True).indices[:size]  # ties: the lower id first
@@ -179,7 +178,8 @@ def check_drafter_folder(folder: str | Path) -> dict:
     facts = config.get("streamspec") or {}
     if facts.get("format") != DRAFTER_FORMAT:
         raise ValueError(f"{folder} is not a streamspec vLLM drafter folder")
-    names = set(load_file(str(folder / WEIGHTS_FILE)))
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    names = set(tensors)
     layers = {n.split(".")[1] for n in names if n.startswith("layers.")}
     expected_layers = {str(i) for i in range(facts["stream_layers"])}
     adapters = {n for n in names if n.startswith("adapters.")}
@@ -192,7 +192,7 @@ def check_drafter_folder(folder: str | Path) -> dict:
         problems.append(f"{len(adapters)} adapter tensors for stream_adapter_rank={facts.get('stream_adapter_rank')}")
     size = facts.get("draft_vocab_size")
     if size or "draft_vocab" in names:
-        vocab = load_file(str(folder / WEIGHTS_FILE)).get("draft_vocab")
+        vocab = tensors.get("draft_vocab")
         if (vocab is None or not size or vocab.shape != (size,) or not bool((vocab[1:] > vocab[:-1]).all())
                 or int(vocab[0]) < 0 or int(vocab[-1]) >= int(facts["vocab_size"])):
             problems.append(f"draft_vocab_size={size} but the draft_vocab tensor is "
