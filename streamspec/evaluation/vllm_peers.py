@@ -155,7 +155,9 @@ def streams_facts(checkpoint: str) -> dict:
     facts = {"draft_parameters": added_parameters(folder)}
     summary = folder.parent / "training_summary.json"
     if summary.is_file():
-        facts["training_seconds"] = json.loads(summary.read_text(encoding="utf-8")).get("wall_seconds")
+        run = json.loads(summary.read_text(encoding="utf-8"))
+        facts["training_seconds"] = run.get("wall_seconds")
+        facts["training_tokens"] = run.get("tokens_seen")
     return facts
 def add_vllm_arguments(parser) -> None:
     """`streamspec eval`'s options of the vLLM rows."""
@@ -208,6 +210,7 @@ COLUMNS = [
     {"key": "acceptance_per_position", "label": "accepted per draft position", "format": "{:.2f}"},
     {"key": "draft_parameters", "label": "drafter parameters", "format": "{:,}"},
     {"key": "training_seconds", "label": "training (s)", "format": "{:.0f}"},
+    {"key": "training_tokens", "label": "tokens trained on", "format": "{:,}"},
     {"key": "identical", "label": "identical to vLLM plain"},
 ]
 
@@ -229,12 +232,13 @@ def result_table(summary: dict, **facts) -> dict:
                      "mean_acceptance_length": entry["mean_acceptance_length"],
                      "acceptance_per_position": entry.get("acceptance_per_position"),
                      "draft_parameters": entry.get("draft_parameters"),
-                     "training_seconds": entry.get("training_seconds"), "identical": entry["identical_to_vllm"]})
+                     "training_seconds": entry.get("training_seconds"), "training_tokens": entry.get("training_tokens"),
+                     "identical": entry["identical_to_vllm"]})
     if not rows:
         raise ValueError("the summary has no vLLM rows: run streamspec eval with "
                          "--peers vllm,vllm_ngram,vllm_suffix,vllm_streams[,vllm_eagle3 --eagle3 FOLDER]")
     rows.sort(key=lambda r: (r["concurrency"], list(DRAFTERS).index(r["method"])))
-    for column in ("acceptance_per_position", "draft_parameters", "training_seconds"):
+    for column in ("acceptance_per_position", "draft_parameters", "training_seconds", "training_tokens"):
         if all(r[column] is None for r in rows):  # a table of untrained drafters: no such column
             for r in rows:
                 del r[column]

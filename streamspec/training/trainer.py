@@ -82,7 +82,10 @@ class StreamTrainer(Trainer):
         for name, value in parts.items():
             self._parts[name] = self._parts.get(name, 0.0) + float(value)
         self._parts_batches += 1
-        self._tokens += int(inputs["attention_mask"].sum())
+        tokens = int(inputs["attention_mask"].sum())
+        self._tokens += tokens
+        if model.training:  # the run's total, kept in its checkpoints (a resumed run goes on counting)
+            self.state.num_input_tokens_seen += tokens
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -397,6 +400,8 @@ def _summary(trainer: Trainer, result, wall: float) -> dict[str, Any]:
         "epochs": trainer.state.epoch,
         "wall_seconds": round(wall, 1),
         "seconds_per_step": round(wall / steps, 3) if steps else None,
+        # the tokens of every training batch (padding not counted), over every process and call
+        "tokens_seen": int(trainer.state.num_input_tokens_seen) * trainer.args.world_size,
         "peak_rss_mib": peak,
         "peak_gpu_memory_mib": _largest_over_processes(trainer, peak_gpu_memory_mib()),
         "train_loss": result.training_loss,

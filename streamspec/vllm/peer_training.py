@@ -433,6 +433,8 @@ def train(spec: dict) -> dict:
     trained = time.perf_counter()
 
     source = last_checkpoint(checkpoints)
+    if source.name == "interrupted" and progress.stopped == "epochs":  # no budget stopped it: a signal did
+        progress.stopped = "signal (saved as the interrupted checkpoint)"
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(source / name, out / name)

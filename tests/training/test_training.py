@@ -107,6 +107,9 @@ def test_killed_run_resumes_on_the_same_curve(tiny_dir, tmp_path):
     assert sorted(got) == sorted(expected) == list(range(1, 9))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5), (step, got, expected)
+    # the tokens trained on count the killed call's steps once: the checkpoint carries the count
+    tokens = [json.loads((run / "training_summary.json").read_text())["tokens_seen"] for run in (straight, killed)]
+    assert tokens[0] > 0 and tokens[1] == tokens[0]
 
 
 def test_export_command_merges_into_a_self_contained_folder(tiny_dir, tmp_path):
