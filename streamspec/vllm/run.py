@@ -253,15 +253,49 @@ def main(argv: list[str] | None = None) -> int:
     llm, key = None, None
     for i, run in enumerate(runs):
         if engine_key(spec, run) != key:
+            if key is not None and NUMBA_LIBRARY in sys.modules:
+                return _rest_in_a_new_process(spec, runs[i:], results, argv[1])
             llm = None  # the last engine goes before the next one starts
             gc.collect()
             key = engine_key(spec, run)
             sharing = _same_engine(spec, runs[i:], key)
             llm = start_engine(spec, run, max(int(r.get("concurrency", 1)) for r in sharing))
         results.append(decode(llm, spec, run))
-        with open(argv[1], "w", encoding="utf-8") as f:  # after every run: a later failure keeps the earlier
-            json.dump({"runs": results}, f)
+        _write(argv[1], results)  # after every run: a later failure keeps the earlier
     return 0
+
+
+# vLLM 0.32 fails to start an engine in a process where an earlier engine ran its n-gram drafter:
+# that drafter's numba loads llvmlite, whose library object answers every attribute (`__dict__`
+# too) with a C-function wrapper, and the CPU worker's Triton-kernel override scan
+# (`vllm.triton_utils.dispatcher._rebind_kernels`, over every module) calls ``.get`` on it. Once
+# llvmlite is loaded, the next engine starts in a fresh process.
+NUMBA_LIBRARY = "llvmlite.binding.ffi"
+
+
+def _write(path: str, results: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"runs": results}, f)
+
+
+def _rest_in_a_new_process(spec: dict, rest: list[dict], results: list[dict], out: str) -> int:
+    """`rest` of the runs in a child process (this module again); its results after `results` in
+    `out`, also when the child fails (what it finished is kept). Returns the child's status."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="streamspec-vllm-rest-") as tmp:
+        spec_path, rest_out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump({**spec, "runs": rest}, f)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        status = subprocess.call([sys.executable, "-m", "streamspec.vllm.run", spec_path, rest_out])
+        if os.path.exists(rest_out):
+            with open(rest_out, encoding="utf-8") as f:
+                results = results + json.load(f)["runs"]
+    _write(out, results)
+    return status
 
 
 if __name__ == "__main__":

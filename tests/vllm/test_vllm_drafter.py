@@ -168,6 +168,9 @@ def tiny(tmp_path_factory):
         dflash = export_for_vllm(root / f"{arch}-0-streams", root / f"{arch}-0-dflash", layout="dflash")
         runs += [{"model": str(folders[arch][0]), "drafter": "streams", "folder": str(dflash), "name": f"{arch}-dflash",
                   "concurrency": n} for n in (1, 3)]
+    # vLLM's n-gram drafter: the engines after it start in a fresh process (`streamspec.vllm.run`)
+    runs += [{"model": str(folders["llama"][0]), "drafter": "ngram", "name": "llama-ngram"},
+             {"model": str(folders["llama"][0]), "drafter": "none", "name": "llama-after-ngram"}]
     try:  # without arctic-inference the suffix test fails, saying so, and the others still run
         check_suffix_decoding()
         runs.append({"model": str(folders["llama"][0]), "drafter": "suffix", "name": "llama-suffix"})
@@ -202,6 +205,8 @@ def tiny(tmp_path_factory):
         results["dflash"][arch] = dict(one=done[index], batched=done[index + 1],
                                        log_one=run_records(records, done, index),
                                        log_batched=run_records(records, done, index + 1)[0])
+    results["ngram"] = dict(run=done[by_name["llama-ngram"]], plain=done[by_name["llama-plain"]],
+                            after=done[by_name["llama-after-ngram"]], names=[r["name"] for r in done])
     results["suffix"] = dict(run=done[by_name["llama-suffix"]] if not suffix_missing else None,
                              plain=done[by_name["llama-plain"]], missing=suffix_missing)
     results["trained"] = dict(runs={m: done[by_name[f"llama-{m}"]] for m in ("eagle3", "peagle")
@@ -303,6 +308,16 @@ def test_a_drafter_fed_the_wrong_layer_is_caught(tiny):
     checked, agreed = sum(r["checked"] for r in records), sum(r["agreed"] for r in records)
     assert checked > 0 and agreed <= checked // 2
     assert tiny["wrong_layer"]["run"]["outputs"] == tiny["llama"]["runs"][0]["outputs"]
+
+
+def test_engines_after_the_ngram_drafter_start(tiny):
+    """vLLM's n-gram drafter loads numba, after which vLLM 0.32 cannot start another engine in the
+    same process: the runs after it go on in a fresh one, and every run of the spec comes back."""
+    run, plain, after = tiny["ngram"]["run"], tiny["ngram"]["plain"], tiny["ngram"]["after"]
+    assert run["outputs"] == plain["outputs"] == after["outputs"]
+    assert run["counters"]["vllm:spec_decode_num_drafts"] > 0
+    names = tiny["ngram"]["names"]
+    assert names.index("llama-after-ngram") == names.index("llama-ngram") + 1  # in the spec's order
 
 
 def test_suffix_decoding_decodes_identically_and_drafts(tiny):
