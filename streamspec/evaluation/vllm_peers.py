@@ -104,7 +104,9 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
                 run.update(num_speculative_tokens=NGRAM_TOKENS, prompt_lookup_max=NGRAM_TOKENS)
             runs += [{**run, "name": _name(peer, n), "concurrency": n} for n in concurrency]
         spec = {"model": base, "dtype": dtype, "prompts": prompts, "max_tokens": max_new_tokens, "runs": runs}
-        results = {r["name"]: r for r in run_vllm(spec)["runs"]}
+        # a limit that grows with the work: a run decodes every prompt, one at a time at worst
+        timeout = max(1800, RUN_SECONDS_PER_PROMPT * len(prompts) * len(runs))
+        results = {r["name"]: r for r in run_vllm(spec, timeout=timeout)["runs"]}
     trained = {peer: drafter_facts(folders[peer]) for peer in folders}
     if "vllm_streams" in wanted:
         trained["vllm_streams"] = trained["vllm_streams_schedule"] = streams_facts(checkpoint)
@@ -195,6 +197,12 @@ def vllm_options(args) -> dict:
         check_drafter_folder(args.vllm_streams)
         options["streams_folder"] = str(args.vllm_streams)
     return options
+
+
+# the vLLM process's time limit, per prompt of each run (a one-at-a-time run of 96 new tokens at 5
+# tokens/s takes ~20 s a prompt on a slow 2-core machine); a table of 21 runs of 32 prompts ran
+# past a fixed 30 minutes
+RUN_SECONDS_PER_PROMPT = 60
 
 
 def _name(peer: str, concurrency: int) -> str:

@@ -70,8 +70,8 @@ def fake_vllm(monkeypatch) -> list[dict]:
 
     specs: list[dict] = []
 
-    def fake_run(spec):
-        specs.append(spec)
+    def fake_run(spec, timeout=None):
+        specs.append({**spec, "timeout": timeout})
         return {"runs": [{"name": r["name"], "concurrency": r["concurrency"], "outputs": [[7, 8]], "tokens": 2,
                           "seconds": 0.1, "tokens_per_s": 20.0,
                           "mean_acceptance_length": None if r["drafter"] == "none" else 1.5} for r in spec["runs"]]}
@@ -211,3 +211,7 @@ def test_eval_runs_every_vllm_row_at_each_concurrency_asked_for(monkeypatch, fak
     vllm_rows(("vllm_ngram",), "unused", "base", [[1, 2]], 2, [[7, 8]], baseline_tps=10.0, **seen["vllm_options"])
     assert [(r["name"], r["concurrency"]) for r in fake_vllm[0]["runs"]] == [
         ("vllm", 1), ("vllm@8", 8), ("vllm@32", 32), ("vllm_ngram", 1), ("vllm_ngram@8", 8), ("vllm_ngram@32", 32)]
+    # the vLLM process's time limit grows with the runs and prompts (a fixed one cut a 21-run table short)
+    vllm_rows(("vllm_ngram",), "unused", "base", [[1, 2]] * 32, 2, [[7, 8]] * 32, baseline_tps=10.0,
+              **seen["vllm_options"])
+    assert fake_vllm[0]["timeout"] == 1800 and fake_vllm[1]["timeout"] == 6 * 32 * 60
