@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -49,10 +50,18 @@ def run_vllm(spec: dict, python: str | None = None, env: dict[str, str] | None =
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
         child_env = {**os.environ, **(env or {})}
-        proc = subprocess.run([str(exe), "-m", "streamspec.vllm.run", str(spec_path), str(out_path)],
-                              capture_output=True, text=True, timeout=timeout, env=child_env)
+        # its own process group: a run past `timeout` is stopped with the processes it started
+        proc = subprocess.Popen([str(exe), "-m", "streamspec.vllm.run", str(spec_path), str(out_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
         if proc.returncode != 0:
-            raise VLLMRunError(proc.returncode, proc.stdout + proc.stderr)
+            raise VLLMRunError(proc.returncode, stdout + stderr)
         return json.loads(out_path.read_text(encoding="utf-8"))
 
 

@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, run in enumerate(runs):
         if engine_key(spec, run) != key:
             if key is not None and NUMBA_LIBRARY in sys.modules:
+                llm = None  # this process's engine goes before the child's starts
+                gc.collect()
                 return _rest_in_a_new_process(spec, runs[i:], results, argv[1])
             llm = None  # the last engine goes before the next one starts
             gc.collect()
