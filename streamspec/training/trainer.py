@@ -400,7 +400,8 @@ def _summary(trainer: Trainer, result, wall: float) -> dict[str, Any]:
         "epochs": trainer.state.epoch,
         "wall_seconds": round(wall, 1),
         "seconds_per_step": round(wall / steps, 3) if steps else None,
-        # the tokens of every training batch (padding not counted), over every process and call
+        # the tokens of every training batch (padding not counted) over every call: this process's
+        # count times the processes (with several, their batches' padding differs a little)
         "tokens_seen": int(trainer.state.num_input_tokens_seen) * trainer.args.world_size,
         "peak_rss_mib": peak,
         "peak_gpu_memory_mib": _largest_over_processes(trainer, peak_gpu_memory_mib()),
