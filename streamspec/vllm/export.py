@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from . import ARCHITECTURES, architecture
 from .format import (CHECKED, DEFAULT_LAYOUT, DFLASH, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, PEAGLE, check_layout,
@@ -178,8 +179,9 @@ def check_drafter_folder(folder: str | Path) -> dict:
     facts = config.get("streamspec") or {}
     if facts.get("format") != DRAFTER_FORMAT:
         raise ValueError(f"{folder} is not a streamspec vLLM drafter folder")
-    tensors = load_file(str(folder / WEIGHTS_FILE))
-    names = set(tensors)
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as weights:  # names, and one tensor read
+        names = set(weights.keys())
+        vocab = weights.get_tensor("draft_vocab") if "draft_vocab" in names else None
     layers = {n.split(".")[1] for n in names if n.startswith("layers.")}
     expected_layers = {str(i) for i in range(facts["stream_layers"])}
     adapters = {n for n in names if n.startswith("adapters.")}
@@ -192,7 +194,6 @@ def check_drafter_folder(folder: str | Path) -> dict:
         problems.append(f"{len(adapters)} adapter tensors for stream_adapter_rank={facts.get('stream_adapter_rank')}")
     size = facts.get("draft_vocab_size")
     if size or "draft_vocab" in names:
-        vocab = tensors.get("draft_vocab")
         if (vocab is None or not size or vocab.shape != (size,) or not bool((vocab[1:] > vocab[:-1]).all())
                 or int(vocab[0]) < 0 or int(vocab[-1]) >= int(facts["vocab_size"])):
             problems.append(f"draft_vocab_size={size} but the draft_vocab tensor is "
