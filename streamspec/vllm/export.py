@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from . import ARCHITECTURES, architecture
 from .format import (CHECKED, DEFAULT_LAYOUT, DFLASH, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, PEAGLE, check_layout,
-                     layout_aux_layers, recommended_drafts, speculative_method)
+                     layout_aux_layers, layout_options, recommended_drafts, speculative_method)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -212,6 +212,7 @@ def serve_command(folder: str | Path) -> str:
             "num_speculative_tokens": facts["num_speculative_tokens"]}
     if layout == PEAGLE:
         spec["parallel_drafting"] = True
+    spec.update(layout_options(layout))
     base = facts.get("base_name") or "BASE"
     if base.startswith("streamspec:"):  # a built-in model: vLLM loads its converted folder
         from ..assets import builtin_model_path

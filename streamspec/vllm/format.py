@@ -76,6 +76,20 @@ def speculative_method(layout: str) -> str:
     return {PEAGLE: "eagle3", DFLASH: "dflash"}[check_layout(layout)]
 
 
+def layout_options(layout: str) -> dict[str, Any]:
+    """vLLM speculative-config options a drafter folder of `layout` runs with, beside its method.
+
+    The DFlash layout sets ``disable_eagle_block_drop``: on a prefix-cache hit vLLM otherwise
+    recomputes the last cached block of the prompt for every drafter that reads the target's
+    hidden states (EAGLE's drafter keys at a position need the token after it, so its last cached
+    row may be stale). The DFlash streams drafter needs no such row: its context keys and values at
+    each position come from the target's state there alone, written when that position was first
+    computed, and the state at the last prompt position, which the streams start from, is always
+    recomputed (vLLM never serves a whole prompt from the cache). On a CPU a block is 128 tokens,
+    so the drop recomputed up to 128 tokens a request that plain decoding reads from the cache."""
+    return {"disable_eagle_block_drop": True} if check_layout(layout) == DFLASH else {}
+
+
 def check_folder_layout(facts: dict[str, Any], layout: str) -> None:
     """Refuse a drafter folder exported for another layout than the drafter vLLM built for it (the
     speculative ``method`` picks the class), naming the method the folder needs."""

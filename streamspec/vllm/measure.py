@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-from .format import PEAGLE, speculative_method
+from .format import PEAGLE, layout_options, speculative_method
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engines in this process (see run.py)
@@ -89,7 +89,8 @@ def measure(spec: dict, progress=print) -> dict:
     layout = spec.get("layout", PEAGLE)
     k_max, repeats, tokens = max(max(ks), 2 if layout == PEAGLE else 1), int(spec.get("repeats", 2)), int(spec["max_tokens"])
     streams_config = {"method": speculative_method(layout), "model": spec["drafter"], "parallel_drafting": True,
-                      "num_speculative_tokens": k_max, "num_speculative_tokens_per_batch_size": [[1, max(sizes), k_max]]}
+                      "num_speculative_tokens": k_max, "num_speculative_tokens_per_batch_size": [[1, max(sizes), k_max]],
+                      **layout_options(layout)}
     configs = ["plain"] + [f"K={k}" for k in ks]
     total = len(sizes) * len(configs) * (repeats + 1) + 2 + (len(sizes) + 1 if "margin" in spec else 0)
     done = 0

@@ -8,10 +8,15 @@ tests call it through a subprocess, so the rest of streamspec never imports vLLM
 SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len": null (the model's),
 "prompts": [[token ids], ...], "runs": [{"name": ..., "drafter": "none" | "ngram" | "suffix" |
 "streams" | "eagle3" | "peagle", "folder": drafter folder, "num_speculative_tokens": K,
-"concurrency": 1 | n, "model": folder (default: the spec's)}, ...]}``; "max_tokens" may be a list (one
-a prompt); a streams run may carry a "schedule" (vLLM's ``num_speculative_tokens_per_batch_size``:
-``[[first batch size, last, K], ...]``; K defaults to the schedule's most) and "zero_drafts" ("skip" |
-"cache": what a step with no drafts does, `streamspec.vllm.schedule`); a suffix run may also set
+"concurrency": 1 | n, "model": folder (default: the spec's), "prompts": (default: the spec's)}, ...],
+"reset_prefix_cache": true}``;
+"max_tokens" may be a list (one a prompt); each run starts with vLLM's prefix cache emptied (unless
+"reset_prefix_cache" is false), so it never reads the prompts an earlier run on its engine decoded;
+a streams run may carry a "schedule" (vLLM's ``num_speculative_tokens_per_batch_size``: ``[[first
+batch size, last, K], ...]``; K defaults to the schedule's most), "zero_drafts" ("skip" | "cache":
+what a step with no drafts does, `streamspec.vllm.schedule`) and "block_drop" (true: vLLM's
+recompute of the last cached prompt block, which `streamspec.vllm.format.layout_options` turns off
+for the DFlash layout); a suffix run may also set
 vLLM's ``suffix_decoding_*`` options (`SUFFIX_DEFAULTS`); an eagle3 / peagle run's folder is a
 drafter speculators trained (`PEER_DRAFTERS`; K defaults to the drafts it was trained for).
 Consecutive runs of the same model and drafter share one engine (started with room for the
@@ -32,7 +37,7 @@ import sys
 import time
 
 from .client import SUFFIX_DECODING_MISSING
-from .format import ALIGNMENT_ENV, PEAGLE, speculative_method
+from .format import ALIGNMENT_ENV, PEAGLE, layout_options, speculative_method
 
 # vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -76,8 +81,11 @@ def speculative_config(run: dict) -> dict | None:
         with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
             facts = json.load(f)["streamspec"]
         # the folder's layout picks vLLM's method (streamspec.vllm.format.LAYOUTS)
-        config = {"method": speculative_method(facts.get("layout", PEAGLE)), "model": run["folder"],
-                  "parallel_drafting": True}
+        layout = facts.get("layout", PEAGLE)
+        config = {"method": speculative_method(layout), "model": run["folder"], "parallel_drafting": True,
+                  **layout_options(layout)}
+        if "block_drop" in run:  # vLLM's recompute of the last cached prompt block, on or off for this run
+            config["disable_eagle_block_drop"] = not run["block_drop"]
         schedule = run.get("schedule")
         if run.get("num_speculative_tokens"):
             config["num_speculative_tokens"] = run["num_speculative_tokens"]
@@ -130,14 +138,17 @@ def require_suffix_decoding() -> None:
 
 
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# prompt tokens looked up in vLLM's prefix cache, and those found there
+PREFIX_CACHE = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
 
 
 def counters(llm) -> dict:
-    """vLLM's speculative-decoding counters (``vllm:spec_decode_*``) as name -> value; the
-    accepted drafts per draft position (`PER_POSITION`) as a list, position 1 first."""
+    """vLLM's speculative-decoding counters (``vllm:spec_decode_*``) and its prefix-cache counters
+    (`PREFIX_CACHE`) as name -> value; the accepted drafts per draft position (`PER_POSITION`) as a
+    list, position 1 first."""
     found: dict = {}
     for metric in llm.get_metrics():
-        if not metric.name.startswith("vllm:spec_decode"):
+        if not metric.name.startswith("vllm:spec_decode") and metric.name not in PREFIX_CACHE:
             continue
         if hasattr(metric, "values"):  # a vector: one count per draft position
             had = found.get(metric.name, [])
@@ -194,11 +205,16 @@ def decode(llm, spec: dict, run: dict) -> dict:
     concurrency = int(run.get("concurrency", 1))
     speculative = speculative_config(run)
     max_tokens = spec.get("max_tokens", 96)  # or one a prompt
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.get("prompts", spec["prompts"])]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=spec.get("ignore_eos", False), detokenize=False)
-              for n in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(spec["prompts"]))]
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+              for n in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts))]
     if spec.get("warmup", True):
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=False), use_tqdm=False)
+    if spec.get("reset_prefix_cache", True):
+        # a run's prompts start uncached, whatever ran on this engine before (the warm-up, or the same
+        # prompts at another concurrency): prompts still share their common prefixes within the run
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache before the run (a request still running?)")
     before = counters(llm)
     outputs: list[list[int]] = []
     log = os.environ.get(ALIGNMENT_ENV)

@@ -159,15 +159,25 @@ def tiny(tmp_path_factory):
     config = json.loads((wrong / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [config["eagle_aux_hidden_state_layer_ids"][0] - 1]
     (wrong / "config.json").write_text(json.dumps(config))
+    # two prompts sharing their first 140 tokens: the second finds the first's first cache block (128
+    # tokens on a CPU) in vLLM's prefix cache
+    shared_gen = torch.Generator().manual_seed(1)
+    common = torch.randint(3, 512, (140,), generator=shared_gen).tolist()
+    shared = [common + torch.randint(3, 512, (n,), generator=shared_gen).tolist() for n in (5, 9)]
     runs = []
     for arch, (base, drafter) in folders.items():
         runs += [{"model": str(base), "drafter": "none", "name": f"{arch}-plain"},
                  {"model": str(base), "drafter": "streams", "folder": str(drafter), "name": f"{arch}-streams"}]
+        if arch == "llama":  # on the plain engine
+            runs.insert(-1, {"model": str(base), "drafter": "none", "name": "llama-plain-shared", "prompts": shared})
     runs.append({"model": str(folders["llama"][0]), "drafter": "streams", "folder": str(wrong), "name": "wrong-layer"})
     for arch in DFLASH_ARCHS:  # the DFlash layout: one engine, one request at a time then all three at once
         dflash = export_for_vllm(root / f"{arch}-0-streams", root / f"{arch}-0-dflash", layout="dflash")
         runs += [{"model": str(folders[arch][0]), "drafter": "streams", "folder": str(dflash), "name": f"{arch}-dflash",
                   "concurrency": n} for n in (1, 3)]
+        if arch == "llama":  # twice on that engine: each run starts with the prefix cache emptied
+            runs += [{"model": str(folders[arch][0]), "drafter": "streams", "folder": str(dflash),
+                      "name": "llama-dflash-shared", "prompts": shared}] * 2
     # vLLM's n-gram drafter: the engines after it start in a fresh process (`streamspec.vllm.run`)
     runs += [{"model": str(folders["llama"][0]), "drafter": "ngram", "name": "llama-ngram"},
              {"model": str(folders["llama"][0]), "drafter": "none", "name": "llama-after-ngram"}]
@@ -190,13 +200,14 @@ def tiny(tmp_path_factory):
     done = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
     records = read_log(log)
     results = {}
-    for i, arch in enumerate(ARCHS):
-        arch_log, start = run_records(records, done, 2 * i + 1)
-        results[arch] = dict(base=folders[arch][0], drafter=folders[arch][1], runs=done[2 * i:2 * i + 2], log=arch_log,
-                             log_start=start, full_log=records, prompts=prompts, root=root)
     by_name = {}
     for i, run in enumerate(done):
         by_name.setdefault(run["name"], i)
+    for arch in ARCHS:
+        plain, streams = by_name[f"{arch}-plain"], by_name[f"{arch}-streams"]
+        arch_log, start = run_records(records, done, streams)
+        results[arch] = dict(base=folders[arch][0], drafter=folders[arch][1], runs=[done[plain], done[streams]],
+                             log=arch_log, log_start=start, full_log=records, prompts=prompts, root=root)
     results["wrong_layer"] = dict(run=done[by_name["wrong-layer"]],
                                   log=run_records(records, done, by_name["wrong-layer"])[0])
     results["dflash"] = {}
@@ -205,6 +216,9 @@ def tiny(tmp_path_factory):
         results["dflash"][arch] = dict(one=done[index], batched=done[index + 1],
                                        log_one=run_records(records, done, index),
                                        log_batched=run_records(records, done, index + 1)[0])
+    index = by_name["llama-dflash-shared"]
+    results["shared"] = dict(prompts=shared, plain=done[by_name["llama-plain-shared"]], runs=done[index:index + 2],
+                             logs=[run_records(records, done, i) for i in (index, index + 1)])
     results["ngram"] = dict(run=done[by_name["llama-ngram"]], plain=done[by_name["llama-plain"]],
                             after=done[by_name["llama-after-ngram"]], names=[r["name"] for r in done])
     results["suffix"] = dict(run=done[by_name["llama-suffix"]] if not suffix_missing else None,
@@ -258,6 +272,25 @@ def test_the_dflash_layout_drafts_gamma_tokens_from_the_streams(tiny, arch):
     same, total = batched_agreement(model, prompts, batched["outputs"],
                                     [entry for record in log_batched for entry in record["passes"]])
     assert total >= NEW_TOKENS and same == total
+
+
+def test_a_prefix_cache_hit_keeps_the_dflash_drafts_the_streams(tiny):
+    """Two prompts sharing their first 140 tokens, one at a time, twice on one engine: the second
+    prompt reads the first's cache block from vLLM's prefix cache, as much as plain decoding reads
+    (the DFlash layout turns off vLLM's recompute of the last cached block: `layout_options`), and
+    still every request's main state is found at p and every draft is the streams' own prediction.
+    The second run, with the cache emptied before it, finds what the first found: its own prompts'."""
+    shared = tiny["shared"]
+    first, second = shared["runs"]
+    assert first["outputs"] == shared["plain"]["outputs"] == second["outputs"]
+    hits = [run["counters"]["vllm:prefix_cache_hits"] for run in (shared["plain"], first, second)]
+    assert hits[0] == hits[1] == hits[2] > 0
+    model = load_streamed(tiny["llama"]["root"] / "llama-0-streams")
+    for run, (log, start) in zip((first, second), shared["logs"]):
+        check_alignment(log)
+        same, total = drafts_agreement(model, shared["prompts"], run["outputs"],
+                                       passes_by_prompt(tiny["llama"]["full_log"], run["alignment_lines"], start))
+        assert total >= NEW_TOKENS and same == total
 
 
 @pytest.fixture(scope="module")

@@ -171,8 +171,15 @@ def test_the_dflash_layout_folder(tmp_path, arch):
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     run = speculative_config({"drafter": "streams", "folder": str(dflash)})
     assert run["method"] == "dflash" and run["num_speculative_tokens"] == 3
-    assert speculative_config({"drafter": "streams", "folder": str(peagle)})["method"] == "eagle3"
+    # the DFlash layout reads cached prompt blocks as plain decoding does (`layout_options`), unless a run asks
+    assert run["disable_eagle_block_drop"] is True
+    assert not speculative_config({"drafter": "streams", "folder": str(dflash), "block_drop": True})[
+        "disable_eagle_block_drop"]
+    other = speculative_config({"drafter": "streams", "folder": str(peagle)})
+    assert other["method"] == "eagle3" and "disable_eagle_block_drop" not in other
     assert '"method": "dflash"' in serve_command(dflash) and "parallel_drafting" not in serve_command(dflash)
+    assert '"disable_eagle_block_drop": true' in serve_command(dflash)
+    assert "disable_eagle_block_drop" not in serve_command(peagle)
     with pytest.raises(ValueError, match="layout must be one of peagle, dflash, got 'eagle'"):
         export_for_vllm(ckpt, tmp_path / "x", layout="eagle")
     assert not (tmp_path / "x").exists()

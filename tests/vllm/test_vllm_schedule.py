@@ -158,6 +158,10 @@ def test_choose_schedule_takes_the_fastest_k_and_plain_where_it_wins():
     assert choose_schedule(rows)[0][1] == 2
     config = speculative_config("drafter", [[1, 7, 0]])
     assert config["num_speculative_tokens"] == 2 and config["num_speculative_tokens_per_batch_size"] == [[1, 7, 0]]
+    assert "disable_eagle_block_drop" not in config
+    config = speculative_config("drafter", [[1, 7, 0]], layout="dflash")
+    assert config["method"] == "dflash" and config["num_speculative_tokens"] == 1
+    assert config["disable_eagle_block_drop"] is True
     with pytest.raises(ValueError, match="--batch-sizes"):
         int_list("1,x", "--batch-sizes")
 
