@@ -215,3 +215,17 @@ def test_eval_runs_every_vllm_row_at_each_concurrency_asked_for(monkeypatch, fak
     vllm_rows(("vllm_ngram",), "unused", "base", [[1, 2]] * 32, 2, [[7, 8]] * 32, baseline_tps=10.0,
               **seen["vllm_options"])
     assert fake_vllm[0]["timeout"] == 1800 and fake_vllm[1]["timeout"] == 6 * 32 * 60
+
+
+@pytest.mark.parametrize("given, expected", [({"OMP_NUM_THREADS": "1"}, "1"),
+                                             ({"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}, "2"),
+                                             ({}, None)])
+def test_the_ngram_drafters_numba_pool_gets_torchs_threads(given, expected):
+    """vLLM's n-gram drafter runs numba kernels whose OpenMP pool would take every core: the runner
+    gives it torch's threads (``OMP_NUM_THREADS``) unless numba's own setting says otherwise."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    code = "import os, streamspec.vllm.run; print(os.environ.get('NUMBA_NUM_THREADS'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **given}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(expected)
