@@ -43,7 +43,7 @@ from .format import ALIGNMENT_ENV, PEAGLE, layout_options, speculative_method
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM's n-gram drafter runs numba kernels on numba's OpenMP pool, which is sized to every core of
 # the machine by default, whatever threads torch was given; its idle workers wait spinning, and with
-# another job busy on the other core of this 2-core machine the n-gram row ran at 1.1 tokens/s, 22.7
+# another job busy on the other core of a 2-core machine the n-gram row ran at 1.1 tokens/s, 22.7
 # with one numba thread (8 Spider questions, one at a time). The pool gets torch's threads.
 if os.environ.get("OMP_NUM_THREADS"):
     os.environ.setdefault("NUMBA_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
@@ -212,6 +212,9 @@ def decode(llm, spec: dict, run: dict) -> dict:
     speculative = speculative_config(run)
     max_tokens = spec.get("max_tokens", 96)  # or one a prompt
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.get("prompts", spec["prompts"])]
+    if isinstance(max_tokens, list) and len(max_tokens) != len(prompts):
+        raise ValueError(f"run {run.get('name', '?')!r}: {len(max_tokens)} max_tokens for {len(prompts)} prompts "
+                         "(a list gives one a prompt; a run with its own prompts needs one number)")
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=spec.get("ignore_eos", False), detokenize=False)
               for n in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts))]
     if spec.get("warmup", True):
