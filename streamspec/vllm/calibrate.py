@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from .client import VLLMRunError, vllm_python
-from .format import PEAGLE, draft_range, layout_options, speculative_method
+from .format import PEAGLE, draft_range, streams_speculative_config
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 QUICK = {"batch_sizes": (1, 2), "max_tokens": 8, "repeats": 1, "limit": 2}
@@ -83,9 +83,7 @@ def speculative_config(drafter: str | Path, schedule: list[list[int]], layout: s
     the folder's layout, K the schedule's largest (at least the fewest the layout drafts, what the
     drafter starts with; unused when every entry is 0)."""
     least = 2 if layout == PEAGLE else 1
-    return {"method": speculative_method(layout), "model": str(drafter), "parallel_drafting": True,
-            "num_speculative_tokens": max([least] + [int(k) for _, _, k in schedule]),
-            "num_speculative_tokens_per_batch_size": schedule, **layout_options(layout)}
+    return streams_speculative_config(layout, drafter, max([least] + [int(k) for _, _, k in schedule]), schedule)
 
 
 def format_table(result: dict, picks: dict[int, int]) -> str:

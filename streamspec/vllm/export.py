@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from . import ARCHITECTURES, architecture
 from .format import (CHECKED, DEFAULT_LAYOUT, DFLASH, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, PEAGLE, check_layout,
-                     layout_aux_layers, layout_options, recommended_drafts, speculative_method)
+                     layout_aux_layers, recommended_drafts, streams_speculative_config)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -208,11 +208,8 @@ def serve_command(folder: str | Path) -> str:
     config = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
     facts = config["streamspec"]
     layout = facts.get("layout", PEAGLE)
-    spec = {"method": speculative_method(layout), "model": str(folder),
-            "num_speculative_tokens": facts["num_speculative_tokens"]}
-    if layout == PEAGLE:
-        spec["parallel_drafting"] = True
-    spec.update(layout_options(layout))
+    spec = streams_speculative_config(layout, folder, facts["num_speculative_tokens"],
+                                      parallel_drafting=layout == PEAGLE)
     base = facts.get("base_name") or "BASE"
     if base.startswith("streamspec:"):  # a built-in model: vLLM loads its converted folder
         from ..assets import builtin_model_path

@@ -76,8 +76,10 @@ def speculative_method(layout: str) -> str:
     return {PEAGLE: "eagle3", DFLASH: "dflash"}[check_layout(layout)]
 
 
-def layout_options(layout: str) -> dict[str, Any]:
-    """vLLM speculative-config options a drafter folder of `layout` runs with, beside its method.
+def streams_speculative_config(layout: str, folder: str, drafts: int, schedule: list | None = None,
+                               parallel_drafting: bool = True) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for a streams drafter folder of `layout`: its method, `drafts`
+    a step, drafts by batch size when a `schedule` is given, and the layout's options.
 
     The DFlash layout sets ``disable_eagle_block_drop``: on a prefix-cache hit vLLM otherwise
     recomputes the last cached block of the prompt for every drafter that reads the target's
@@ -87,7 +89,15 @@ def layout_options(layout: str) -> dict[str, Any]:
     computed, and the state at the last prompt position, which the streams start from, is always
     recomputed (vLLM never serves a whole prompt from the cache). On a CPU a block is 128 tokens,
     so the drop recomputed up to 128 tokens a request that plain decoding reads from the cache."""
-    return {"disable_eagle_block_drop": True} if check_layout(layout) == DFLASH else {}
+    config: dict[str, Any] = {"method": speculative_method(layout), "model": str(folder),
+                              "num_speculative_tokens": int(drafts)}
+    if parallel_drafting:
+        config["parallel_drafting"] = True
+    if schedule:
+        config["num_speculative_tokens_per_batch_size"] = [[int(x) for x in entry] for entry in schedule]
+    if layout == DFLASH:
+        config["disable_eagle_block_drop"] = True
+    return config
 
 
 def check_folder_layout(facts: dict[str, Any], layout: str) -> None:

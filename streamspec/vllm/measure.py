@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-from .format import PEAGLE, layout_options, speculative_method
+from .format import PEAGLE, streams_speculative_config
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engines in this process (see run.py)
@@ -88,9 +88,7 @@ def measure(spec: dict, progress=print) -> dict:
     sizes, ks = [int(b) for b in spec["batch_sizes"]], [int(k) for k in spec["ks"]]
     layout = spec.get("layout", PEAGLE)
     k_max, repeats, tokens = max(max(ks), 2 if layout == PEAGLE else 1), int(spec.get("repeats", 2)), int(spec["max_tokens"])
-    streams_config = {"method": speculative_method(layout), "model": spec["drafter"], "parallel_drafting": True,
-                      "num_speculative_tokens": k_max, "num_speculative_tokens_per_batch_size": [[1, max(sizes), k_max]],
-                      **layout_options(layout)}
+    streams_config = streams_speculative_config(layout, spec["drafter"], k_max, [[1, max(sizes), k_max]])
     configs = ["plain"] + [f"K={k}" for k in ks]
     total = len(sizes) * len(configs) * (repeats + 1) + 2 + (len(sizes) + 1 if "margin" in spec else 0)
     done = 0

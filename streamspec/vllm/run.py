@@ -15,7 +15,7 @@ SPEC: ``{"model": folder, "dtype": "float32", "max_tokens": 96, "max_model_len":
 a streams run may carry a "schedule" (vLLM's ``num_speculative_tokens_per_batch_size``: ``[[first
 batch size, last, K], ...]``; K defaults to the schedule's most), "zero_drafts" ("skip" | "cache":
 what a step with no drafts does, `streamspec.vllm.schedule`) and "block_drop" (true: vLLM's
-recompute of the last cached prompt block, which `streamspec.vllm.format.layout_options` turns off
+recompute of the last cached prompt block, which `streamspec.vllm.format.streams_speculative_config` turns off
 for the DFlash layout); a suffix run may also set
 vLLM's ``suffix_decoding_*`` options (`SUFFIX_DEFAULTS`); an eagle3 / peagle run's folder is a
 drafter speculators trained (`PEER_DRAFTERS`; K defaults to the drafts it was trained for).
@@ -37,7 +37,7 @@ import sys
 import time
 
 from .client import SUFFIX_DECODING_MISSING
-from .format import ALIGNMENT_ENV, PEAGLE, layout_options, speculative_method
+from .format import ALIGNMENT_ENV, PEAGLE, streams_speculative_config
 
 # vLLM's CPU build sizes its KV cache from this (GiB); its default takes most of the machine's memory
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -87,20 +87,16 @@ def speculative_config(run: dict) -> dict | None:
         with open(os.path.join(run["folder"], "config.json"), encoding="utf-8") as f:
             facts = json.load(f)["streamspec"]
         # the folder's layout picks vLLM's method (streamspec.vllm.format.LAYOUTS)
-        layout = facts.get("layout", PEAGLE)
-        config = {"method": speculative_method(layout), "model": run["folder"], "parallel_drafting": True,
-                  **layout_options(layout)}
+        schedule = run.get("schedule")  # drafts by batch size (`streamspec.vllm.schedule`)
+        if run.get("num_speculative_tokens"):
+            drafts = run["num_speculative_tokens"]
+        elif schedule and max(int(k) for _, _, k in schedule) > 0:  # the schedule's most
+            drafts = max(int(k) for _, _, k in schedule)
+        else:  # the folder's recommendation: every stream drafts
+            drafts = facts["num_speculative_tokens"]
+        config = streams_speculative_config(facts.get("layout", PEAGLE), run["folder"], drafts, schedule)
         if "block_drop" in run:  # vLLM's recompute of the last cached prompt block, on or off for this run
             config["disable_eagle_block_drop"] = not run["block_drop"]
-        schedule = run.get("schedule")
-        if run.get("num_speculative_tokens"):
-            config["num_speculative_tokens"] = run["num_speculative_tokens"]
-        elif schedule and max(int(k) for _, _, k in schedule) > 0:  # the schedule's most
-            config["num_speculative_tokens"] = max(int(k) for _, _, k in schedule)
-        else:  # the folder's recommendation: every stream drafts
-            config["num_speculative_tokens"] = facts["num_speculative_tokens"]
-        if schedule:  # drafts by batch size (`streamspec.vllm.schedule`)
-            config["num_speculative_tokens_per_batch_size"] = [[int(x) for x in entry] for entry in schedule]
         return config
     if drafter in PEER_DRAFTERS:
         folder = check_drafter_folder(drafter, run.get("folder"))

@@ -277,7 +277,7 @@ def test_the_dflash_layout_drafts_gamma_tokens_from_the_streams(tiny, arch):
 def test_a_prefix_cache_hit_keeps_the_dflash_drafts_the_streams(tiny):
     """Two prompts sharing their first 140 tokens, one at a time, twice on one engine: the second
     prompt reads the first's cache block from vLLM's prefix cache, as much as plain decoding reads
-    (the DFlash layout turns off vLLM's recompute of the last cached block: `layout_options`), and
+    (the DFlash layout turns off vLLM's recompute of the last cached block: `streams_speculative_config`), and
     still every request's main state is found at p and every draft is the streams' own prediction.
     The second run, with the cache emptied before it, finds what the first found: its own prompts'."""
     shared = tiny["shared"]

@@ -171,7 +171,7 @@ def test_the_dflash_layout_folder(tmp_path, arch):
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     run = speculative_config({"drafter": "streams", "folder": str(dflash)})
     assert run["method"] == "dflash" and run["num_speculative_tokens"] == 3
-    # the DFlash layout reads cached prompt blocks as plain decoding does (`layout_options`), unless a run asks
+    # the DFlash layout reads cached prompt blocks as plain decoding does (`streams_speculative_config`), unless a run asks
     assert run["disable_eagle_block_drop"] is True
     assert not speculative_config({"drafter": "streams", "folder": str(dflash), "block_drop": True})[
         "disable_eagle_block_drop"]
