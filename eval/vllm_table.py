@@ -3,7 +3,7 @@
 position as docs/figures/<OUT's name>_acceptance_per_position.png); the peers: vllm, vllm_ngram,
 vllm_suffix, vllm_streams, vllm_eagle3, vllm_peagle.
 
-    python eval/vllm_table.py DIR docs/results/vllm_spider.json --command "..." --machine "AMD EPYC, 2 cores"
+    python eval/vllm_table.py DIR docs/results/vllm_drafters_spider.json --command "..." --machine "$(lscpu | sed -n 's/Model name: *//p'), 2 cores"
 """
 
 from __future__ import annotations
