@@ -13,7 +13,7 @@ setup(
     packages=find_packages(include=["streamspec", "streamspec.*"]),
     # the shipped stream weights (streamspec.assets.shipped_streams_path) and the C++ kernels
     # built on first use (streamspec.native)
-    package_data={"streamspec": ["weights/*/*.json", "weights/*/*.safetensors", "csrc/*.cpp"]},
+    package_data={"streamspec": ["weights/*/*.json", "weights/*/*.safetensors", "weights/*/*.md", "csrc/*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "transformers>=5.20,<6",
