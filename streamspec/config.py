@@ -50,6 +50,11 @@ class StreamConfig:
             token given the data up to it (self-distillation without generating: drafts are
             accepted when they equal the main stream's predictions, so this is what acceptance
             asks for; meant for a frozen main stream, i.e. lossless mode).
+        next_token_input: the streams at position t also read the token at t+1 (its input
+            embedding, RMS-normalised, through a learned map that starts at zero): the token a
+            drafter that runs after the verify pass (vLLM's DFlash layout) knows and a drafter
+            inside it does not. Lossless mode only (the main stream must never see it); such
+            streams train and validate, and streamspec's own decoders refuse them.
     """
 
     num_streams: int = 3
@@ -62,6 +67,7 @@ class StreamConfig:
     prune_rank: int = 8
     stream_adapter_rank: int | None = None
     stream_targets: str = "labels"
+    next_token_input: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_streams, bool) or not isinstance(self.num_streams, int) or self.num_streams < 1:
@@ -100,6 +106,11 @@ class StreamConfig:
             raise ValueError(
                 f"StreamConfig.stream_targets must be one of {list(STREAM_TARGETS)}, got {self.stream_targets!r}"
             )
+        if not isinstance(self.next_token_input, bool):
+            raise ValueError(f"StreamConfig.next_token_input must be true or false, got {self.next_token_input!r}")
+        if self.next_token_input and self.mode != "lossless":
+            raise ValueError("StreamConfig.next_token_input needs mode='lossless': in shared mode the main stream "
+                             "attends to the streams and would read the token it predicts")
         rank = self.stream_adapter_rank
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             raise ValueError(f"StreamConfig.stream_adapter_rank must be an integer >= 1 or null, got {rank!r}")

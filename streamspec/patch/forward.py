@@ -132,7 +132,8 @@ class TrainingForward:
         position_ids = position_ids_from_mask(real)
         main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
         lower = self.run_lower(input_ids, position_ids, main_ok)
-        main, streams = self.run_upper(lower, position_ids, main_ok, index, valid)
+        main, streams = self.run_upper(lower, position_ids, main_ok, index, valid,
+                                       next_tokens=self._next_tokens(input_ids, index))
         return lower, main, streams, index, valid, carry, labels
 
     def _offline_hidden(self, input_ids, attention_mask, labels, activations):
@@ -152,8 +153,16 @@ class TrainingForward:
         layers = range(self.num_lower_layers, len(self.layers))
         prefix = KVPrefix({i: stored["keys"][:, n] for n, i in enumerate(layers)},
                           {i: stored["values"][:, n] for n, i in enumerate(layers)})
-        streams = self.run_streams(origin, position_ids, main_ok, index, valid, prefix)
+        streams = self.run_streams(origin, position_ids, main_ok, index, valid, prefix,
+                                   next_tokens=self._next_tokens(input_ids, index))
         return lower, streams, index, valid, labels, stored, carry
+
+    def _next_tokens(self, input_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor | None:
+        """For streams that read the next token (``next_token_input``): the text's token after each
+        slot's position [B, S] (a slot at the row's end reads its own token: it carries no target)."""
+        if not self.stream_config.next_token_input:
+            return None
+        return input_ids.gather(1, (index + 1).clamp(max=input_ids.shape[1] - 1))
 
     def _check_inputs(self, input_ids, attention_mask, labels):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from ..arch import ArchSpec, arch_spec
 from ..config import StreamConfig
@@ -213,16 +214,18 @@ class StreamedModel(TrainingForward, DecoderParts):
         index: torch.Tensor,
         valid: torch.Tensor,
         cache: MainStreamCache | None = None,
+        next_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MSA layers. Streams are made for the positions in `index` [B, S] (see
         `streamspec.patch.layout`); returns main [B, T, h] and stream [B, S, γ, h] final hidden states
         (before the final norm). Each layer call tells the stream modules, if any, how many leading
-        rows are main rows (see `streamspec.patch.stream_modules.StreamRows`)."""
+        rows are main rows (see `streamspec.patch.stream_modules.StreamRows`). `next_tokens` [B, S]:
+        the token after each slot's position, for streams that read it (``next_token_input``)."""
         batch, num_new, width = hidden.shape
         g = self.stream_config.num_streams
         num_slots = index.shape[1]
         origin = hidden.gather(1, index[:, :, None].expand(batch, num_slots, width))
-        streams = self.streams(origin).reshape(batch, num_slots * g, width)
+        streams = self.streams(origin, self._next_embeds(next_tokens)).reshape(batch, num_slots * g, width)
         x = torch.cat([hidden, streams], dim=1)
         pos = torch.cat([position_ids, stream_position_ids(position_ids, index, g)], dim=1)
         allowed = stream_allowed(main_ok, index, valid, g, shared=self.stream_config.mode == "shared")
@@ -265,7 +268,8 @@ class StreamedModel(TrainingForward, DecoderParts):
         return main, capture.keys, capture.values
 
     def run_streams(self, origin: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor,
-                    index: torch.Tensor, valid: torch.Tensor, prefix: KVPrefix) -> torch.Tensor:
+                    index: torch.Tensor, valid: torch.Tensor, prefix: KVPrefix,
+                    next_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Stream rows only through the MSA layers, attending to the main keys and values in
         `prefix` (from `capture_main`): in lossless mode the same stream states as `run_upper`
         from `origin` [B, S, h], the hidden states at the input of layer N−Ns of the positions in
@@ -274,11 +278,18 @@ class StreamedModel(TrainingForward, DecoderParts):
         batch, num_slots, width = origin.shape
         g = self.stream_config.num_streams
         num_main = main_ok.shape[1]
-        x = self.streams(origin).reshape(batch, num_slots * g, width)
+        x = self.streams(origin, self._next_embeds(next_tokens)).reshape(batch, num_slots * g, width)
         pos = stream_position_ids(position_ids, index, g)
         allowed = stream_allowed(main_ok, index, valid, g, shared=False)[:, num_main:]
         x = self._run_msa(x, pos, to_bias(allowed, x.dtype), prefix, num_main=0)
         return x.reshape(batch, num_slots, g, width)
+
+    def _next_embeds(self, next_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """The input embeddings of `next_tokens` (read from the table: the embedding module itself
+        never runs, so offline training leaves the base's layers untouched)."""
+        if next_tokens is None:
+            return None
+        return F.embedding(next_tokens, self.hf_model.get_input_embeddings().weight)
 
     def _require_lossless(self, what: str) -> None:
         if self.stream_config.mode != "lossless":

@@ -34,10 +34,20 @@ class StreamParameters(nn.Module):
         self.exit_up = nn.Linear(config.prune_rank, hidden_size, bias=False)
         nn.init.normal_(self.exit_down.weight, std=1.0 / math.sqrt(hidden_size))
         nn.init.zeros_(self.exit_up.weight)
+        if config.next_token_input:
+            # the next token's normalised embedding, mapped into the streams; starts at zero
+            self.next_token_map = nn.Linear(hidden_size, hidden_size, bias=False)
+            nn.init.zeros_(self.next_token_map.weight)
         self.num_streams = g
 
-    def make_streams(self, main: torch.Tensor) -> torch.Tensor:
+    @property
+    def reads_next_token(self) -> bool:
+        return hasattr(self, "next_token_map")
+
+    def make_streams(self, main: torch.Tensor, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """S_j = f(M) + rms(M)·P_j: [B, S, h] main hidden states -> [B, S, γ, h] stream states.
+        With ``next_token_input`` every stream also gets rms(M)·W·n(E), n(E) the next token's input
+        embedding `next_embeds` [B, S, h] over its RMS.
 
         P_j is expressed in units of the main state's root-mean-square (detached). Hidden states
         at layer N−Ns are large (RMS ≈ 225 for SmolLM2-135M) and their scale differs by orders of
@@ -53,12 +63,22 @@ class StreamParameters(nn.Module):
         if hasattr(self, "stream_embeddings"):
             scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(dtype)
             streams = streams + (scale[:, :, None, :] * self.stream_embeddings).to(main.dtype)
+        if self.reads_next_token:
+            if next_embeds is None:
+                raise ValueError(
+                    "these streams read the token after each position (StreamConfig.next_token_input): they draft "
+                    "where that token is known, after the verify pass (training and validation here); streamspec's "
+                    "decoders draft inside the verify pass and cannot run them")
+            embeds = next_embeds.to(dtype)
+            embeds = embeds / embeds.detach().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+            scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(dtype)
+            streams = streams + (scale * self.next_token_map(embeds))[:, :, None, :].to(main.dtype)
         return streams
 
-    def forward(self, main: torch.Tensor) -> torch.Tensor:
+    def forward(self, main: torch.Tensor, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """`make_streams`, as a module call: DeepSpeed ZeRO-3 gathers a module's own partitioned
         parameters (the P_j) around its calls only, for the forward and the backward pass."""
-        return self.make_streams(main)
+        return self.make_streams(main, next_embeds)
 
     @property
     def dtype(self) -> torch.dtype:

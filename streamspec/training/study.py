@@ -58,7 +58,11 @@ STUDIES: dict[str, Study] = {
         # change of each top-layer linear (the main rows keep the base's weights: still exact)
         Point("full-rank", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_adapter_rank": 576}),
         Point("ns-6", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_layers": 6, "data.cache_activations": False}),
-    ), "capacity at fixed data (30% of the SQL set, one pass): adapter rank 64 / 128 / 256 / full, Ns 4 / 6"),
+        # the streams also read the token after their position (what a drafter after the verify pass
+        # knows: vLLM's DFlash layout); validation top-1 only, streamspec's decoders cannot run them
+        Point("next-token", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.next_token_input": True}),
+    ), "capacity at fixed data (30% of the SQL set, one pass): adapter rank 64 / 128 / 256 / full, Ns 4 / 6, "
+       "and the streams reading the next token"),
 }
 
 

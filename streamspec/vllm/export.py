@@ -131,6 +131,9 @@ def check_exportable(stream_config, model_type: str) -> None:
     if stream_config.stream_init != "identity":
         raise CheckpointError(f"the vLLM drafter makes streams as main + rms·P_j (stream_init='identity'); this "
                               f"checkpoint has stream_init={stream_config.stream_init!r}")
+    if stream_config.next_token_input:
+        raise CheckpointError("these streams read the token after each position (next_token_input); the vLLM "
+                              "drafter does not feed it yet: export streams trained without it")
     if model_type not in ARCHITECTURES:
         raise CheckpointError(f"the vLLM drafter supports {sorted(ARCHITECTURES)} bases; this checkpoint's base is "
                               f"{model_type!r}")

@@ -55,6 +55,25 @@ def test_round_trip_without_adapter(arch, mode, tmp_path):
     _assert_same(_outputs(model, ids), _outputs(loaded, ids))
 
 
+def test_round_trip_of_streams_that_read_the_next_token(tmp_path):
+    """`next_token_input` streams save their map and load it back; a folder without it is refused."""
+    config = StreamConfig(stream_layers=2, mode="lossless", next_token_input=True)
+    model = add_streams(_saved_base("llama", tmp_path), config).eval()
+    _perturb_streams(model)
+    ids = random_ids(2, 9, seed=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = load_streamed(tmp_path / "ckpt")
+    assert loaded.stream_config.next_token_input
+    _assert_same(_outputs(model, ids), _outputs(loaded, ids))
+    without = add_streams(_saved_base("llama", tmp_path), StreamConfig(stream_layers=2, mode="lossless"))
+    without.save_pretrained(tmp_path / "plain")
+    meta = json.loads((tmp_path / "plain" / "stream_config.json").read_text())
+    meta["stream_config"]["next_token_input"] = True
+    (tmp_path / "plain" / "stream_config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="missing .*next_token_map"):
+        load_streamed(tmp_path / "plain")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_round_trip_with_lora_and_merged(arch, tmp_path):
     model = add_streams(_saved_base(arch, tmp_path), StreamConfig(stream_layers=2, stream_init="lowrank", init_rank=4))

@@ -604,3 +604,53 @@ def test_stream_identifiers_scale_with_the_main_state():
         relative = (out - (main * scale)[:, :, None]).norm(dim=-1) / (main * scale).norm(dim=-1)[:, :, None]
         expected_relative = streams.stream_embeddings.detach().norm(dim=-1) / HIDDEN**0.5
         torch.testing.assert_close(relative, expected_relative.expand_as(relative), rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# streams that read the next token (next_token_input)
+# ---------------------------------------------------------------------------------------------
+def test_next_token_input_starts_as_the_plain_streams_and_reads_only_the_next_token(arch):
+    """With its map at zero the streams are the plain streams' exactly; trained, stream j at t reads
+    the token at t+1 and nothing after it, and the main stream never reads it (lossless)."""
+    _, plain = streamed(arch, seed=5, mode="lossless")
+    _, reads = streamed(arch, seed=5, mode="lossless", next_token_input=True)
+    reads.streams.load_state_dict({**plain.streams.state_dict(), "next_token_map.weight":
+                                   reads.streams.next_token_map.weight}, strict=True)
+    T = 8
+    ids = random_ids(2, T, 5)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        a, b = plain(ids, attention_mask=mask), reads(ids, attention_mask=mask)
+        torch.testing.assert_close(b.stream_logits, a.stream_logits)
+        reads.streams.next_token_map.weight.normal_(0, 0.5)
+        ref = reads(ids, attention_mask=mask)
+        t = 3
+        changed = ids.clone()
+        changed[:, t + 1] = (ids[:, t + 1] + 1) % 50
+        out = reads(changed, attention_mask=mask)
+    torch.testing.assert_close(out.logits[:, : t + 1], ref.logits[:, : t + 1])  # main rows: causal, as the base's
+    torch.testing.assert_close(out.stream_logits[:, :t], ref.stream_logits[:, :t])  # earlier streams never see it
+    assert not torch.allclose(out.stream_logits[:, t], ref.stream_logits[:, t], atol=ATOL)  # stream at t reads t+1
+    later = ids.clone()
+    later[:, t + 2 :] = (ids[:, t + 2 :] + 1) % 50
+    with torch.no_grad():
+        torch.testing.assert_close(reads(later, attention_mask=mask).stream_logits[:, t], ref.stream_logits[:, t])
+
+
+def test_next_token_input_is_refused_where_it_cannot_run():
+    """Shared mode (the main stream would read the token it predicts), streamspec's decoders (they
+    draft inside the verify pass, where the next token is not known) and the vLLM export."""
+    from streamspec.patch.saving import CheckpointError
+    from streamspec.vllm.export import check_exportable
+
+    with pytest.raises(ValueError, match="next_token_input needs mode='lossless'"):
+        StreamConfig(next_token_input=True, mode="shared")
+    with pytest.raises(ValueError, match="next_token_input must be true or false"):
+        StreamConfig(next_token_input="yes", mode="lossless")
+    _, model = streamed("llama", mode="lossless", next_token_input=True)
+    from streamspec.decoding.generate import generate
+
+    with pytest.raises(ValueError, match="read the token after each position"):
+        generate(model, random_ids(1, 6, 1), max_new_tokens=4)
+    with pytest.raises(CheckpointError, match="next_token_input"):
+        check_exportable(model.stream_config, "llama")

@@ -134,8 +134,9 @@ def _assert_offline_equals_online(model, rows, tol: float) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("config", [dict(), dict(stream_targets="labels", stream_adapter_rank=None),
-                                    dict(stream_init="value_rotation", stream_adapter_rank=None)],
-                         ids=["adapters-main-targets", "labels-targets", "value-rotation"])
+                                    dict(stream_init="value_rotation", stream_adapter_rank=None),
+                                    dict(next_token_input=True)],
+                         ids=["adapters-main-targets", "labels-targets", "value-rotation", "next-token-input"])
 def test_offline_streams_give_the_online_losses_and_gradients(arch, config):
     _assert_offline_equals_online(_streamed(arch, **config), _examples(5, seed=3), tol=1e-5)
 

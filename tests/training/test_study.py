@@ -96,3 +96,22 @@ def test_a_point_is_measured_once_on_held_out_prompts(tiny_dir, tmp_path, single
     assert evaluate_chain(run / "final", folder, limit=1) == folder and (folder / "benchmark.json").stat().st_mtime_ns == made
     row = [line for line in capacity_table([run], [folder]).splitlines() if line.startswith("| streams")][-1]
     assert "–" not in row.split("|")[-4]  # the held-out CRR column is filled
+
+
+def test_streams_that_read_the_next_token_train_offline_and_are_not_decoded(tiny_dir, tmp_path, single_thread):
+    """The `next-token` point's streams train from the store and are measured by validation top-1:
+    no held-out chain is run for them (streamspec's decoders cannot draft with them)."""
+    from streamspec.evaluation.study import evaluate_chain
+    from streamspec.training.recipe import load_recipe
+    from streamspec.training.trainer import run_training
+
+    run = tmp_path / "point"
+    run_training(load_recipe(study_module.SQL_SCALE, [
+        f"model.name_or_path={tiny_dir}", "model.dtype=float32", "training.init_from=null", "training.report_to=none",
+        "training.max_steps=2", f"training.output_dir={run}", "data.max_length=128", "streams.next_token_input=true",
+        f"data.activations_path={tmp_path / 'store'}",
+        f"data.path=[{_rows(tmp_path / 'train.jsonl', 4)}]", f"data.validation_path={_rows(tmp_path / 'val.jsonl', 2)}"]))
+    assert evaluate_chain(run / "final", tmp_path / "eval-point", limit=1) is None
+    assert not (tmp_path / "eval-point").exists()
+    row = [line for line in capacity_table([run], [None]).splitlines() if line.startswith("| streams")][-1]
+    assert "–" in row.split("|")[-4]
