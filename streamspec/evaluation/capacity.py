@@ -50,8 +50,9 @@ def describe(recipe: dict) -> str:
         init += f" (rank {s.get('init_rank') or 8})"
     share = (recipe.get("data") or {}).get("train_fraction", 1.0)
     data = f", data {100 * share:g}%" if share < 1 else ""
+    reads = ", reading the next token" if s.get("next_token_input") else ""
     return (f"streams Ns={s.get('stream_layers', 4)}, γ={s.get('num_streams', 3)}, rank={rank if rank else '-'}, "
-            f"init={init}, lr={t['learning_rate']:g}/{t.get('stream_learning_rate') or t['learning_rate']:g}{data}")
+            f"init={init}{reads}, lr={t['learning_rate']:g}/{t.get('stream_learning_rate') or t['learning_rate']:g}{data}")
 
 
 def held_out(eval_folder: Path, medusa: bool) -> dict:
@@ -92,7 +93,7 @@ def run_rows(run: Path, eval_folder: Path | None = None) -> list[str]:
         figures = ("–", "–", "–")
         if last and evaluated:
             figures = (f"{evaluated['crr']:.2f}", f"{evaluated['ms_per_pass']:.1f}", f"{evaluated['speedup']:.2f}×")
-        out.append(f"| {describe(recipe)} | {added} | {e.get('epoch', 0):.0f} | {top1} | {time} | "
+        out.append(f"| {describe(recipe)} | {added} | {round(e.get('epoch', 0), 2):g} | {top1} | {time} | "
                    + " | ".join(figures) + " |")
     return out
 
