@@ -310,7 +310,8 @@ def checkpoint_tokenizer(checkpoint: str | Path):
 def check_stream_config(model: StreamedModel, folder: Path) -> dict:
     """The checkpoint's metadata, refused when it was trained with another stream config."""
     meta = read_checkpoint_meta(folder)
-    if meta["stream_config"] != model.stream_config.to_dict():
+    # through StreamConfig: a field added since the checkpoint was written takes its default
+    if StreamConfig.from_dict(meta["stream_config"]).to_dict() != model.stream_config.to_dict():
         raise ValueError(f"{folder} was trained with another stream config: {meta['stream_config']}")
     return meta
 

@@ -74,6 +74,28 @@ def test_round_trip_of_streams_that_read_the_next_token(tmp_path):
         load_streamed(tmp_path / "plain")
 
 
+def test_a_checkpoint_written_before_a_config_field_existed_resumes(tmp_path):
+    """A stream_config.json without a field added since (here `next_token_input`) reads as its
+    default: such a checkpoint resumes and starts runs; one with another value is refused."""
+    from streamspec.patch.checkpoint import load_training_checkpoint
+
+    base = _saved_base("llama", tmp_path)
+    model = add_streams(base, StreamConfig(stream_layers=2, mode="lossless")).eval()
+    _perturb_streams(model)
+    model.save_pretrained(tmp_path / "old")
+    meta_path = tmp_path / "old" / "stream_config.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["stream_config"]["next_token_input"]
+    meta_path.write_text(json.dumps(meta))
+    fresh = add_streams(_saved_base("llama", tmp_path), StreamConfig(stream_layers=2, mode="lossless"))
+    load_training_checkpoint(fresh, tmp_path / "old")
+    for (name, a), b in zip(model.streams.state_dict().items(), fresh.streams.state_dict().values()):
+        assert torch.equal(a, b), name
+    other = add_streams(_saved_base("llama", tmp_path), StreamConfig(stream_layers=2, mode="lossless", num_streams=2))
+    with pytest.raises(ValueError, match="another stream config"):
+        load_training_checkpoint(other, tmp_path / "old")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_round_trip_with_lora_and_merged(arch, tmp_path):
     model = add_streams(_saved_base(arch, tmp_path), StreamConfig(stream_layers=2, stream_init="lowrank", init_rank=4))
