@@ -193,8 +193,10 @@ class StreamedModel(TrainingForward, DecoderParts):
     # -- training hooks (see DecoderParts) -------------------------------------------------------
     def own_rate_parameters(self) -> list[nn.Parameter]:
         """The stream identifiers (and low-rank init map): few, in units of the hidden state's RMS,
-        so the LoRA rate barely moves them; not the early-exit adapter or the stream adapters."""
-        return [p for name, p in self.streams.named_parameters() if not name.startswith(("exit_", "adapters."))]
+        so the LoRA rate barely moves them; not the early-exit adapter, the stream adapters or the
+        next-token map (full matrices, at the LoRA rate)."""
+        return [p for name, p in self.streams.named_parameters()
+                if not name.startswith(("exit_", "adapters.", "next_token_map."))]
 
     def save_training_checkpoint(self, directory, tokenizer=None) -> None:
         """A streamed checkpoint; a full fine-tune (no LoRA, base trainable) carries the base along."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .checkpoint import check_base, checkpoint_folder, load_training_checkpoint, read_checkpoint_meta
 from .medusa import MedusaModel, load_medusa_heads
 from .model import StreamedModel
@@ -31,6 +33,47 @@ def init_draft_from(model, source: str | Path) -> Path:
     if not folder.is_dir():
         raise FileNotFoundError(f"training.init_from: {source!r} is not a checkpoint folder or shipped weights")
     if isinstance(model, StreamedModel):
-        check_base(folder, read_checkpoint_meta(folder), model.hf_model)
+        meta = read_checkpoint_meta(folder)
+        check_base(folder, meta, model.hf_model)
+        if _adds_next_token_input(model, meta):
+            load_into_next_token_streams(model, folder)
+            return folder
     load_draft_checkpoint(model, folder)
     return folder
+
+
+def _adds_next_token_input(model: StreamedModel, meta: dict) -> bool:
+    """The recipe's streams read the next token and the checkpoint's are otherwise the same."""
+    from ..config import StreamConfig
+
+    mine = model.stream_config.to_dict()
+    theirs = StreamConfig.from_dict(meta["stream_config"]).to_dict()
+    return mine["next_token_input"] and not theirs["next_token_input"] and {**theirs, "next_token_input": True} == mine
+
+
+def load_into_next_token_streams(model: StreamedModel, folder: Path) -> None:
+    """Trained streams (without ``next_token_input``) into streams that read the next token: every
+    weight the checkpoint holds, strictly, and the next-token map left at its zero start, so the
+    run starts from exactly those streams' drafts."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from .saving import WEIGHTS_FILE, CheckpointError
+
+    meta = read_checkpoint_meta(folder)
+    if meta.get("merged") or meta.get("adapter"):
+        raise CheckpointError(f"{folder}: starting streams that read the next token from it needs a checkpoint of "
+                              "lossless streams alone (no adapter, not merged)")
+    saved = load_file(str(folder / WEIGHTS_FILE))
+    expected = model.streams.state_dict()
+    added = sorted(k for k in expected if k.startswith("next_token_map."))
+    if sorted(saved) != sorted(set(expected) - set(added)) or any(saved[k].shape != expected[k].shape for k in saved):
+        raise CheckpointError(f"{folder / WEIGHTS_FILE} does not match the stream config (the next-token map aside)")
+    missing, unexpected = model.streams.load_state_dict(saved, strict=False)
+    if sorted(missing) != added or unexpected:
+        raise CheckpointError(f"{folder}: loading left {missing} unset and {unexpected} unused")
+    with torch.no_grad():
+        for name in added:
+            model.streams.get_parameter(name).zero_()
+    logging.getLogger(__name__).info("%s: streams loaded; the next-token map starts at zero", folder)

@@ -236,3 +236,27 @@ def test_merge_adapter_gives_the_adapted_model_and_refuses_a_broken_adapter(tmp_
                      lambda s: s.pop(next(k for k in sorted(s) if "lora_A" in k)))
     with pytest.raises(CheckpointError, match="adapter"):
         merge_adapter(tmp_path / "adapter", tmp_path / "y", base=str(base_path))
+
+
+def test_init_from_plain_streams_into_streams_that_read_the_next_token(tmp_path):
+    """`training.init_from` a lossless checkpoint into the same streams with `next_token_input`:
+    every saved weight loaded, the map at zero, so the drafts start as the checkpoint's; any other
+    difference in the config is still refused."""
+    from streamspec.patch.resume import init_draft_from
+
+    plain = add_streams(_saved_base("llama", tmp_path), StreamConfig(stream_layers=2, mode="lossless")).eval()
+    _perturb_streams(plain)
+    plain.save_pretrained(tmp_path / "plain")
+    reads = add_streams(_saved_base("llama", tmp_path),
+                        StreamConfig(stream_layers=2, mode="lossless", next_token_input=True)).eval()
+    with torch.no_grad():
+        reads.streams.next_token_map.weight.fill_(1.0)
+    init_draft_from(reads, tmp_path / "plain")
+    assert not reads.streams.next_token_map.weight.any()
+    ids = random_ids(2, 9, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(reads(ids).stream_logits, plain(ids).stream_logits, equal_nan=True)
+    other = add_streams(_saved_base("llama", tmp_path),
+                        StreamConfig(stream_layers=2, mode="lossless", next_token_input=True, num_streams=2))
+    with pytest.raises(ValueError, match="another stream config"):
+        init_draft_from(other, tmp_path / "plain")
