@@ -288,10 +288,15 @@ class StreamedModel(TrainingForward, DecoderParts):
 
     def _next_embeds(self, next_tokens: torch.Tensor | None) -> torch.Tensor | None:
         """The input embeddings of `next_tokens` (read from the table: the embedding module itself
-        never runs, so offline training leaves the base's layers untouched)."""
+        never runs, so offline training leaves the base's layers untouched; gathered when ZeRO-3
+        partitions it)."""
         if next_tokens is None:
             return None
-        return F.embedding(next_tokens, self.hf_model.get_input_embeddings().weight)
+        from .zero import gathered
+
+        weight = self.hf_model.get_input_embeddings().weight
+        with gathered([weight]):
+            return F.embedding(next_tokens, weight)
 
     def _require_lossless(self, what: str) -> None:
         if self.stream_config.mode != "lossless":
