@@ -232,9 +232,9 @@ def run_demo(
                       f"{_minutes(max(left, 0))} left of the demo's {minutes:g} minutes)" if minutes is not None
                       else f"(no time budget: {limit} questions)")
         part = time.perf_counter()
-        print(f"\n[3/3] the shipped streams ({folder.name}: self-distilled lossless streams for SmolLM2, trained by "
-              "recipes/smollm2-135m/sql_streams_offline_r64.yaml, then sql_streams_offline_wide.yaml and "
-              f"sql_streams_offline_wide_more.yaml) on {limit} questions; the base model's outputs, "
+        print(f"\n[3/3] the shipped streams ({folder.name}: self-distilled lossless streams for SmolLM2, trained "
+              "last by recipes/smollm2-135m/sql_streams_scale.yaml on ~2M tokens of the model's own SQL; "
+              f"streamspec/weights/README.md has every stage) on {limit} questions; the base model's outputs, "
               "token for token" + (" (rows compiled where it pays: their first calls compile, untimed)"
                                    if compile else "") + " ...")
         shipped = run_benchmark(str(folder), task="sql", limit=limit, tree_top_k=SHIPPED_TREE, thresholds=(),
