@@ -139,12 +139,13 @@ def check_base(folder: Path, meta: dict[str, Any], base_model: nn.Module) -> Non
                               "different weights (its embedding fingerprint differs)")
 
 
-def load_stream_weights(model: StreamedModel, path: Path) -> None:
-    """Load a `streams.safetensors` into `model.streams`, refusing missing, unexpected or mis-shaped keys."""
+def load_stream_weights(model: StreamedModel, path: Path, absent: tuple[str, ...] = ()) -> None:
+    """Load a `streams.safetensors` into `model.streams`, refusing missing, unexpected or mis-shaped
+    keys; the weights whose names start with one of `absent` must be missing and are left as they are."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     saved = load_file(path)
-    expected = model.streams.state_dict()
+    expected = {k: v for k, v in model.streams.state_dict().items() if not k.startswith(absent or ("\0",))}
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     shapes = sorted(k for k in set(saved) & set(expected) if saved[k].shape != expected[k].shape)
@@ -159,7 +160,7 @@ def load_stream_weights(model: StreamedModel, path: Path) -> None:
                 "mis-shaped " + ", ".join(f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}" for k in shapes)
             )
         raise CheckpointError(f"{path} does not match the stream config: " + "; ".join(problems))
-    model.streams.load_state_dict(saved, strict=True)
+    model.streams.load_state_dict(saved, strict=not absent)
 
 
 def load_adapter(base: nn.Module, folder: Path) -> nn.Module:

@@ -60,8 +60,9 @@ class StreamParameters(nn.Module):
         if hasattr(self, "init_down"):
             main = main + self.init_up(self.init_down(main.to(dtype))).to(main.dtype)
         streams = main[:, :, None, :].expand(-1, -1, self.num_streams, -1)
-        if hasattr(self, "stream_embeddings"):
+        if hasattr(self, "stream_embeddings") or self.reads_next_token:  # rms(M), once
             scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(dtype)
+        if hasattr(self, "stream_embeddings"):
             streams = streams + (scale[:, :, None, :] * self.stream_embeddings).to(main.dtype)
         if self.reads_next_token:
             if next_embeds is None:
@@ -71,7 +72,6 @@ class StreamParameters(nn.Module):
                     "decoders draft inside the verify pass and cannot run them")
             embeds = next_embeds.to(dtype)
             embeds = embeds / embeds.detach().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-            scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(dtype)
             streams = streams + (scale * self.next_token_map(embeds))[:, :, None, :].to(main.dtype)
         return streams
 

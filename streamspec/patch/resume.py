@@ -57,23 +57,14 @@ def load_into_next_token_streams(model: StreamedModel, folder: Path) -> None:
     run starts from exactly those streams' drafts."""
     import logging
 
-    from safetensors.torch import load_file
-
+    from .checkpoint import load_stream_weights
     from .saving import WEIGHTS_FILE, CheckpointError
 
     meta = read_checkpoint_meta(folder)
     if meta.get("merged") or meta.get("adapter"):
         raise CheckpointError(f"{folder}: starting streams that read the next token from it needs a checkpoint of "
                               "lossless streams alone (no adapter, not merged)")
-    saved = load_file(str(folder / WEIGHTS_FILE))
-    expected = model.streams.state_dict()
-    added = sorted(k for k in expected if k.startswith("next_token_map."))
-    if sorted(saved) != sorted(set(expected) - set(added)) or any(saved[k].shape != expected[k].shape for k in saved):
-        raise CheckpointError(f"{folder / WEIGHTS_FILE} does not match the stream config (the next-token map aside)")
-    missing, unexpected = model.streams.load_state_dict(saved, strict=False)
-    if sorted(missing) != added or unexpected:
-        raise CheckpointError(f"{folder}: loading left {missing} unset and {unexpected} unused")
+    load_stream_weights(model, folder / WEIGHTS_FILE, absent=("next_token_map.",))
     with torch.no_grad():
-        for name in added:
-            model.streams.get_parameter(name).zero_()
+        model.streams.next_token_map.weight.zero_()
     logging.getLogger(__name__).info("%s: streams loaded; the next-token map starts at zero", folder)
