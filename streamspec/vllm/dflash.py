@@ -21,7 +21,8 @@ context             …, p, (rej.)   main rows: each drafter layer's keys and va
                                    target's own hidden state entering that layer (the folder
                                    asks vLLM for the Ns layers N−Ns…N−1), as the base computes
                                    them: lossless, these are the base's own keys and values
-query row 0         p+1            stream 1 of p (the bonus token's id is not read)
+query row 0         p+1            stream 1 of p (the bonus token's id is read by streams that
+                                   read the next token, by every stream row of its request)
 query row i (i≥1)   p+1+i          stream i+1 of p (the last row has no stream to be: it runs
                                    as stream γ again and is never read)
 ==================  =============  ===========================================================
@@ -159,7 +160,9 @@ class DFlashStreamsDrafter(StreamsDrafter):
             mains, requests, found = found_mains
             main[:requests * per_request] = mains.to(dtype).repeat_interleave(per_request, dim=0)
         stream = (offset + 1).clamp(max=self.num_streams)
-        normed, _ = self._stream_pass(main, stream, self._ones(count, dtype, positions.device), positions)
+        # streams that read the next token: each request's bonus token (its row 0), the token at p+1
+        next_ids = None if self.next_token_map is None else input_ids.index_select(0, rows - offset)
+        normed, _ = self._stream_pass(main, stream, self._ones(count, dtype, positions.device), positions, next_ids)
         # draft k (mask row k) is stream k, the row before it
         out = normed.index_select(0, rows - (offset > 0).long())
         if self._alignment_log and found is not None:

@@ -53,7 +53,7 @@ from vllm.model_executor.models.mistral import MistralDecoderLayer
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
-from .format import ALIGNMENT_ENV, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target
+from .format import ALIGNMENT_ENV, DFLASH, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target
 from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
 logger = logging.getLogger(__name__)
@@ -171,6 +171,14 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         dtype = vllm_config.model_config.dtype
         # row 0 (main rows) adds nothing; row j the stream vector P_j (in units of the main state's RMS)
         self.stream_vectors = nn.Parameter(torch.zeros(self.num_streams + 1, hidden, dtype=dtype), requires_grad=False)
+        # streams that read the next token (`StreamConfig.next_token_input`): its map W
+        self.next_token_map = None
+        if facts.get("next_token_input"):
+            if self.layout != DFLASH:
+                raise ValueError(f"the drafter folder's streams read the next token, which vLLM hands the drafter in "
+                                 f"the {DFLASH!r} layout only; export them with --layout {DFLASH}")
+            self.next_token_map = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+            self.next_token_map.weight.requires_grad_(False)
         self._rows = _StreamRowMask()
         rank = facts.get("stream_adapter_rank")
         if rank:
@@ -278,11 +286,18 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         return out, prenorm
 
     def _stream_pass(self, main: torch.Tensor, stream: torch.Tensor, mask: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     positions: torch.Tensor, next_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``main + rms(main)·P_stream`` (stream 0: the main row itself, P_0 = 0) through the
-        drafter's layers, the stream adapters applied where `mask` is 1; (normed, pre-norm)."""
+        drafter's layers, the stream adapters applied where `mask` is 1; (normed, pre-norm). With
+        `next_ids` (the token after each row's main position; streams that read it) each row also
+        gets ``rms(main)·W·n(E(next))``, n(E) the token's input embedding over its RMS."""
         scale = main.float().pow(2).mean(-1, keepdim=True).sqrt()
         x = main + (scale * self.stream_vectors.index_select(0, stream).float()).to(main.dtype)
+        if next_ids is not None:
+            weight = self.next_token_map.weight
+            embeds = self.model.embed_tokens(next_ids).to(weight.dtype)
+            embeds = embeds / embeds.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+            x = x + (scale.to(weight.dtype) * self.next_token_map(embeds)).to(main.dtype)
         self._rows.mask = mask
         try:
             residual = None
@@ -356,6 +371,10 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         for name, tensor in weights:
             if name == "stream_vectors":
                 self.stream_vectors[1:].copy_(tensor)
+                loaded.add(name)
+                continue
+            if name == "next_token_map.weight" and self.next_token_map is not None:
+                self.next_token_map.weight.copy_(tensor)
                 loaded.add(name)
                 continue
             if name == "draft_vocab" and self.draft_vocab is not None and tensor.shape == self.draft_vocab.shape:

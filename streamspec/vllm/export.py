@@ -11,6 +11,10 @@ the N ids the model itself writes most often (counted in distilled sets), so the
 is N rows of the target's instead of all of them. The folder then also holds ``draft_vocab`` (the
 ids, ascending) and ``streamspec.draft_vocab_size``. Outputs are the same (the target verifies
 every draft); a draft that would have been outside the N ids is another one, usually rejected.
+
+Streams that read the next token (``StreamConfig.next_token_input``) also write their map W
+(``next_token_map.weight``, ``streamspec.next_token_input``); they export in the DFlash layout only,
+where vLLM hands the drafter that token (the bonus token's row, `streamspec.vllm.dflash`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def drafter_tensors(model) -> dict[str, torch.Tensor]:
             for key, pair in layer.items():
                 tensors[f"adapters.{i}.{key}.down"] = pair.down.weight
                 tensors[f"adapters.{i}.{key}.up"] = pair.up.weight
+    if config.next_token_input:
+        tensors["next_token_map.weight"] = model.streams.next_token_map.weight
     return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
 
 
@@ -82,6 +88,7 @@ def drafter_config(model, base_name: str | None, layout: str = DEFAULT_LAYOUT) -
         "stream_adapter_rank": cfg.stream_adapter_rank,
         "mask_token_id": mask,
         "layout": layout,
+        "next_token_input": bool(cfg.next_token_input),
         "num_speculative_tokens": recommended_drafts(cfg.num_streams, layout),
         "base_name": base_name,
         "base_fingerprint": base_fingerprint(model.hf_model),
@@ -119,8 +126,8 @@ def draft_vocabulary(sources: list[str | Path], size: int, vocab_size: int) -> t
     return order.sort().values
 
 
-def check_exportable(stream_config, model_type: str) -> None:
-    """Refuse what vLLM's drafter cannot run, saying why."""
+def check_exportable(stream_config, model_type: str, layout: str = DEFAULT_LAYOUT) -> None:
+    """Refuse what vLLM's drafter cannot run in `layout`, saying why."""
     from ..patch.saving import CheckpointError
 
     if stream_config.mode != "lossless":
@@ -131,9 +138,10 @@ def check_exportable(stream_config, model_type: str) -> None:
     if stream_config.stream_init != "identity":
         raise CheckpointError(f"the vLLM drafter makes streams as main + rms·P_j (stream_init='identity'); this "
                               f"checkpoint has stream_init={stream_config.stream_init!r}")
-    if stream_config.next_token_input:
-        raise CheckpointError("these streams read the token after each position (next_token_input); the vLLM "
-                              "drafter does not feed it yet: export streams trained without it")
+    if stream_config.next_token_input and layout != DFLASH:
+        raise CheckpointError("these streams read the token after each position (next_token_input), which vLLM "
+                              f"hands the drafter in the {DFLASH!r} layout only (its bonus token row): export them "
+                              f"with --layout {DFLASH}")
     if model_type not in ARCHITECTURES:
         raise CheckpointError(f"the vLLM drafter supports {sorted(ARCHITECTURES)} bases; this checkpoint's base is "
                               f"{model_type!r}")
@@ -158,7 +166,7 @@ def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.
     folder = checkpoint_folder(checkpoint)
     meta = read_checkpoint_meta(folder)
     stream_config = StreamConfig.from_dict(meta["stream_config"])
-    check_exportable(stream_config, meta.get("base_model", {}).get("model_type"))
+    check_exportable(stream_config, meta.get("base_model", {}).get("model_type"), layout)
     base_name = recorded_base(folder, meta)
     model = load_streamed(folder, dtype=dtype_or_base(dtype, base_name))
     tensors = drafter_tensors(model)
@@ -193,6 +201,11 @@ def check_drafter_folder(folder: str | Path) -> dict:
         problems.append(f"layers {sorted(layers)} (expected {sorted(expected_layers)})")
     if "stream_vectors" not in names or "norm.weight" not in names:
         problems.append("no stream_vectors or norm.weight")
+    if ("next_token_map.weight" in names) != bool(facts.get("next_token_input")):
+        problems.append(f"next_token_input={bool(facts.get('next_token_input'))} but the next_token_map tensor is "
+                        f"{'present' if 'next_token_map.weight' in names else 'missing'}")
+    if facts.get("next_token_input") and facts.get("layout", PEAGLE) != DFLASH:
+        problems.append(f"next_token_input streams run in the {DFLASH!r} layout only, not {facts.get('layout', PEAGLE)!r}")
     if bool(adapters) != bool(facts.get("stream_adapter_rank")):
         problems.append(f"{len(adapters)} adapter tensors for stream_adapter_rank={facts.get('stream_adapter_rank')}")
     size = facts.get("draft_vocab_size")

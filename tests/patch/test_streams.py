@@ -639,7 +639,8 @@ def test_next_token_input_starts_as_the_plain_streams_and_reads_only_the_next_to
 
 def test_next_token_input_is_refused_where_it_cannot_run():
     """Shared mode (the main stream would read the token it predicts), streamspec's decoders (they
-    draft inside the verify pass, where the next token is not known) and the vLLM export."""
+    draft inside the verify pass, where the next token is not known) and the vLLM export in the
+    P-EAGLE layout (its drafter is not handed the token)."""
     from streamspec.patch.saving import CheckpointError
     from streamspec.vllm.export import check_exportable
 
@@ -652,5 +653,6 @@ def test_next_token_input_is_refused_where_it_cannot_run():
 
     with pytest.raises(ValueError, match="read the token after each position"):
         generate(model, random_ids(1, 6, 1), max_new_tokens=4)
-    with pytest.raises(CheckpointError, match="next_token_input"):
-        check_exportable(model.stream_config, "llama")
+    with pytest.raises(CheckpointError, match="next_token_input.*'dflash' layout only"):
+        check_exportable(model.stream_config, "llama", "peagle")
+    check_exportable(model.stream_config, "llama", "dflash")  # vLLM hands the DFlash drafter that token

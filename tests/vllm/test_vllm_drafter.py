@@ -40,18 +40,34 @@ def tiny_config(arch: str):
     return LlamaConfig(**shape)
 
 
+TINY_STREAMS = dict(mode="lossless", num_streams=3, stream_layers=2, stream_adapter_rank=8, main_weight=0.0)
+
+
 def tiny_streams(root: Path, arch: str, seed: int = 0) -> tuple[Path, Path]:
     """A tiny random base folder and the vLLM drafter of random lossless streams on it."""
     torch.manual_seed(seed)
     base = root / f"{arch}-{seed}"
     AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(base)
-    model = add_streams(AutoModelForCausalLM.from_pretrained(base).eval(),
-                        StreamConfig(mode="lossless", num_streams=3, stream_layers=2, stream_adapter_rank=8, main_weight=0.0))
+    model = add_streams(AutoModelForCausalLM.from_pretrained(base).eval(), StreamConfig(**TINY_STREAMS))
     with torch.no_grad():
         for p in model.streams.parameters():
             p.normal_(0, 0.3)
     model.save_pretrained(root / f"{arch}-{seed}-streams")
     return base, export_for_vllm(root / f"{arch}-{seed}-streams", root / f"{arch}-{seed}-drafter", layout="peagle")
+
+
+def tiny_next_token_streams(root: Path, base: Path) -> Path:
+    """Random lossless streams on `base` that read the next token (``next_token_input``, the map W
+    large enough to change drafts), exported in the DFlash layout; the checkpoint folder."""
+    torch.manual_seed(1)
+    model = add_streams(AutoModelForCausalLM.from_pretrained(base).eval(),
+                        StreamConfig(**TINY_STREAMS, next_token_input=True))
+    with torch.no_grad():
+        for name, p in model.streams.named_parameters():
+            p.normal_(0, 0.1 if name.startswith("next_token_map.") else 0.3)
+    model.save_pretrained(root / f"{base.name}-next-token-streams")
+    export_for_vllm(root / f"{base.name}-next-token-streams", root / f"{base.name}-next-token-dflash", layout="dflash")
+    return root / f"{base.name}-next-token-streams"
 
 
 def read_log(path: Path) -> list[dict]:
@@ -81,8 +97,9 @@ def run_records(log: list[dict], runs: list[dict], index: int) -> tuple[list[dic
 def drafts_agreement(model, prompts: list[list[int]], outputs: list[list[int]], passes: list[list],
                      vocab: torch.Tensor | None = None) -> tuple[int, int]:
     """How many logged drafts equal streamspec's own stream predictions (the argmax of stream j at
-    position p over the final text, lossless: it depends on the tokens up to p only; among the ids
-    of `vocab` when given)."""
+    position p over the final text, lossless: it depends on the tokens up to p only, and p+1 for
+    streams that read the next token, so their last position is not compared; among the ids of
+    `vocab` when given)."""
     same = total = 0
     for prompt, output, logged in zip(prompts, outputs, passes):
         ids = torch.tensor([prompt + output])
@@ -91,10 +108,16 @@ def drafts_agreement(model, prompts: list[list[int]], outputs: list[list[int]], 
             streams = logits.argmax(-1) if vocab is None else vocab[logits[..., vocab].argmax(-1)]
         for p, drafts in logged:
             for j, token in enumerate(drafts):
-                if p < ids.shape[1]:
+                if p < known_positions(model, ids.shape[1]):
                     total += 1
                     same += int(streams[p, j]) == token
     return same, total
+
+
+def known_positions(model, length: int) -> int:
+    """The positions of a `length`-token text whose stream predictions the text determines: all,
+    but the last for streams that read the token after each position (the text ends before it)."""
+    return length - int(model.stream_config.next_token_input)
 
 
 def check_alignment(log: list[dict]) -> None:
@@ -138,6 +161,9 @@ def batched_agreement(model, prompts: list[list[int]], outputs: list[list[int]],
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
             predictions.append(model(torch.tensor([prompt + output]), streams_at="all").stream_logits[0].argmax(-1))
+    # a text's last position, for streams that read the token after it, is not compared (`known_positions`)
+    ends = {known_positions(model, streams.shape[0]) for streams in predictions} - {streams.shape[0] for streams in predictions}
+    logged = [(p, drafts) for p, drafts in logged if p not in ends]
     same = sum(any(p < streams.shape[0] and streams[p, :len(drafts)].tolist() == drafts for streams in predictions)
                for p, drafts in logged)
     return same, len(logged)
@@ -178,6 +204,10 @@ def tiny(tmp_path_factory):
         if arch == "llama":  # twice on that engine: each run starts with the prefix cache emptied
             runs += [{"model": str(folders[arch][0]), "drafter": "streams", "folder": str(dflash),
                       "name": "llama-dflash-shared", "prompts": shared}] * 2
+    # streams that read the next token (the bonus token vLLM hands the DFlash drafter)
+    next_token = tiny_next_token_streams(root, folders["llama"][0])
+    runs += [{"model": str(folders["llama"][0]), "drafter": "streams", "folder": str(root / "llama-0-next-token-dflash"),
+              "name": "llama-next-token", "concurrency": n} for n in (1, 3)]
     # vLLM's n-gram drafter: the engines after it start in a fresh process (`streamspec.vllm.run`)
     runs += [{"model": str(folders["llama"][0]), "drafter": "ngram", "name": "llama-ngram"},
              {"model": str(folders["llama"][0]), "drafter": "none", "name": "llama-after-ngram"}]
@@ -216,6 +246,10 @@ def tiny(tmp_path_factory):
         results["dflash"][arch] = dict(one=done[index], batched=done[index + 1],
                                        log_one=run_records(records, done, index),
                                        log_batched=run_records(records, done, index + 1)[0])
+    index = by_name["llama-next-token"]
+    results["next_token"] = dict(checkpoint=next_token, one=done[index], batched=done[index + 1],
+                                 log_one=run_records(records, done, index),
+                                 log_batched=run_records(records, done, index + 1)[0])
     index = by_name["llama-dflash-shared"]
     results["shared"] = dict(prompts=shared, plain=done[by_name["llama-plain-shared"]], runs=done[index:index + 2],
                              logs=[run_records(records, done, i) for i in (index, index + 1)])
@@ -272,6 +306,33 @@ def test_the_dflash_layout_drafts_gamma_tokens_from_the_streams(tiny, arch):
     same, total = batched_agreement(model, prompts, batched["outputs"],
                                     [entry for record in log_batched for entry in record["passes"]])
     assert total >= NEW_TOKENS and same == total
+
+
+def test_streams_that_read_the_next_token_draft_with_the_bonus_token(tiny):
+    """``next_token_input`` streams in the DFlash layout: outputs identical to vLLM without
+    speculation one request at a time and three at once, and every draft equal to streamspec's own
+    stream predictions, which read the token after p (the bonus token vLLM hands the drafter's
+    first query row); with W zeroed the predictions differ, so the token fed is what agrees."""
+    plain = tiny["llama"]["runs"][0]
+    run = tiny["next_token"]
+    one, batched = run["one"], run["batched"]
+    assert one["outputs"] == plain["outputs"] and batched["outputs"] == plain["outputs"]
+    assert one["counters"]["vllm:spec_decode_num_drafts"] > 0
+    log_one, start = run["log_one"]
+    check_alignment(log_one)
+    check_alignment(run["log_batched"])
+    model = load_streamed(run["checkpoint"])
+    prompts = tiny["llama"]["prompts"]
+    passes = passes_by_prompt(tiny["llama"]["full_log"], one["alignment_lines"], start)
+    same, total = drafts_agreement(model, prompts, one["outputs"], passes)
+    assert total >= 2 * NEW_TOKENS and same == total
+    same, total = batched_agreement(model, prompts, batched["outputs"],
+                                    [entry for record in run["log_batched"] for entry in record["passes"]])
+    assert total >= NEW_TOKENS and same == total
+    with torch.no_grad():
+        model.streams.next_token_map.weight.zero_()
+    same, total = drafts_agreement(model, prompts, one["outputs"], passes)
+    assert same < total
 
 
 def test_a_prefix_cache_hit_keeps_the_dflash_drafts_the_streams(tiny):

@@ -185,6 +185,28 @@ def test_the_dflash_layout_folder(tmp_path, arch):
     assert not (tmp_path / "x").exists()
 
 
+def test_streams_that_read_the_next_token_export_their_map_in_the_dflash_layout(tmp_path):
+    """``next_token_input`` streams: the DFlash folder also holds the map W and says so; a folder
+    whose map and config disagree is refused, and so is the P-EAGLE layout (its drafter is not
+    handed the next token)."""
+    from safetensors.torch import save_file
+
+    _, ckpt, model = streamed_checkpoint(tmp_path, "llama", next_token_input=True)
+    out = export_for_vllm(ckpt, tmp_path / "dflash", layout="dflash")
+    facts = check_drafter_folder(out)["streamspec"]
+    assert facts["next_token_input"] is True
+    tensors = load_file(str(out / "model.safetensors"))
+    assert torch.equal(tensors["next_token_map.weight"], model.streams.next_token_map.weight)
+    assert not check_drafter_folder(export_for_vllm(streamed_checkpoint(tmp_path / "plain", "llama")[1],
+                                                    tmp_path / "plain-dflash"))["streamspec"]["next_token_input"]
+    with pytest.raises(CheckpointError, match="--layout dflash"):
+        export_for_vllm(ckpt, tmp_path / "peagle", layout="peagle")
+    assert not (tmp_path / "peagle").exists()
+    save_file({k: v for k, v in tensors.items() if k != "next_token_map.weight"}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="next_token_input=True but the next_token_map tensor is missing"):
+        check_drafter_folder(out)
+
+
 def test_a_folder_served_with_the_other_layouts_method_is_refused():
     """vLLM names a folder's class by the method it was started with (a DFlash folder under
     ``"method": "eagle3"`` becomes ``Eagle3DFlash…``): that class refuses the folder, naming the
