@@ -257,6 +257,31 @@ def test_the_layout_comparison_rows():
         layout_rows(runs[2:4], [result(r) for r in runs[2:4]])
 
 
+def test_the_acceptance_comparison_rows():
+    """`eval/vllm_acceptance.py`: checkpoints named on the command line, plain vLLM first at every
+    concurrency, each row against plain at its own concurrency, outputs compared with plain's."""
+    from streamspec.evaluation.vllm_acceptance import acceptance_rows, acceptance_runs, acceptance_table, named_checkpoints
+
+    checkpoints = named_checkpoints(["a=runs/x/final", "streamspec:smollm2-135m-sql-streams"])
+    assert checkpoints == {"a": "runs/x/final", "streamspec:smollm2-135m-sql-streams": "streamspec:smollm2-135m-sql-streams"}
+    for bad, match in ((["a=x", "a=y"], "'a' is taken"), (["vllm=x"], "'vllm' is taken"), (["=x"], "NAME=CHECKPOINT")):
+        with pytest.raises(ValueError, match=match):
+            named_checkpoints(bad)
+    runs = acceptance_runs({"a": "A"}, (1, 8))
+    assert [(r["name"], r["concurrency"], r.get("folder")) for r in runs] == [
+        ("vllm", 1, None), ("vllm", 8, None), ("a", 1, "A"), ("a", 8, "A")]
+    results = [{**r, "tokens_per_s": {1: 10.0, 8: 40.0}[r["concurrency"]] * (1.5 if r["name"] == "a" else 1),
+                "outputs": [[1, 2]] if r["concurrency"] == 1 or r["name"] == "vllm" else [[1, 3]],
+                **({"mean_acceptance_length": 2.0, "acceptance_per_position": [0.6, 0.3, 0.1]} if r["name"] == "a" else {})}
+               for r in runs]
+    rows = acceptance_rows(results, {"a": "A"})
+    assert [(r["name"], r["x_vllm"], r["identical"]) for r in rows] == [
+        ("vllm", 1.0, True), ("vllm", 1.0, True), ("a", 1.5, True), ("a", 1.5, False)]
+    assert rows[2]["checkpoint"] == "A" and rows[0]["mean_acceptance_length"] is None
+    table = acceptance_table(rows)
+    assert "| a | 1 | 15.0 | 1.50× | 2.000 | 60.0% / 30.0% / 10.0% | yes |" in table and "| NO |" in table
+
+
 def test_a_draft_vocabulary_variant_is_its_own_row():
     from streamspec.evaluation.vllm_layouts import layout_rows, layout_runs, variant_key, variant_label
 

@@ -1,0 +1,66 @@
+"""Streams checkpoints side by side as vLLM's drafter: each exported in the DFlash layout (with a
+pruned draft vocabulary when asked) and run in one vLLM process beside vLLM plain on the same
+held-out prompts; prints each one's mean acceptance length, acceptance per draft position,
+tokens/s and whether its outputs equal plain vLLM's, and writes them as JSON.
+
+    python eval/vllm_acceptance.py --task sql --limit 32 --out runs/vllm-acceptance.json \\
+        --draft-vocab 8192 --draft-vocab-from distilled/sql distilled/sql-styles distilled/sql-self-instruct \\
+        shipped=streamspec:smollm2-135m-sql-streams next-token=runs/smollm2-sql-streams-next-token/final
+
+Acceptance does not depend on what else the machine runs; tokens/s does (compare within one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from streamspec.assets import DEFAULT_MODEL_ID, load_tokenizer
+from streamspec.data.build import prompt_ids
+from streamspec.evaluation.benchmark import held_out_rows
+from streamspec.evaluation.vllm_acceptance import acceptance_rows, acceptance_runs, acceptance_table, named_checkpoints
+from streamspec.evaluation.vllm_peers import check_concurrency, vllm_base
+from streamspec.vllm.client import run_vllm
+from streamspec.vllm.export import export_for_vllm
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="+", metavar="NAME=CHECKPOINT", help="lossless streamed checkpoints")
+    parser.add_argument("--task", default="sql", choices=["sql", "chat"], help="whose held-out prompts")
+    parser.add_argument("--limit", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="requests at once")
+    parser.add_argument("--draft-vocab", type=int, default=None, help="a pruned draft vocabulary of N ids")
+    parser.add_argument("--draft-vocab-from", nargs="+", default=None, metavar="DISTILLED")
+    parser.add_argument("--base", default=DEFAULT_MODEL_ID, help="the served model")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON file the rows go to")
+    args = parser.parse_args(argv)
+    try:
+        checkpoints = named_checkpoints(args.checkpoints)
+        concurrency = check_concurrency(args.concurrency)
+        tokenizer = load_tokenizer(args.base)
+        prompts = [prompt_ids(tokenizer, row)[0].tolist() for row in held_out_rows(args.task)[:args.limit]]
+        with tempfile.TemporaryDirectory() as tmp:
+            folders = {name: export_for_vllm(checkpoint, Path(tmp) / name, layout="dflash", dtype="float32",
+                                             draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from)
+                       for name, checkpoint in checkpoints.items()}
+            spec = {"model": vllm_base(args.base), "prompts": prompts, "max_tokens": args.max_new_tokens,
+                    "dtype": "float32", "runs": acceptance_runs(folders, concurrency)}
+            results = run_vllm(spec)["runs"]
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"vllm_acceptance: error: {err}")
+    rows = acceptance_rows(results, checkpoints)
+    print(acceptance_table(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"task": args.task, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                                        "draft_vocab": args.draft_vocab, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

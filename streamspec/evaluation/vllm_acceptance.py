@@ -1,0 +1,50 @@
+"""Streams checkpoints side by side as vLLM's drafter (``eval/vllm_acceptance.py``): the runs of one
+vLLM process (plain, then each drafter folder, at each concurrency), their rows against plain vLLM
+at the same concurrency, and the table. Acceptance does not depend on what else the machine runs;
+tokens/s does (compare within one run)."""
+
+from __future__ import annotations
+
+
+def named_checkpoints(items: list[str]) -> dict[str, str]:
+    """``NAME=CHECKPOINT`` items -> {name: checkpoint}; a bare checkpoint is named by itself."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, _, checkpoint = item.partition("=") if "=" in item else (item, "", item)
+        if not checkpoint or not name:
+            raise ValueError(f"a checkpoint is NAME=CHECKPOINT or CHECKPOINT, got {item!r}")
+        if name in out or name == "vllm":
+            raise ValueError(f"checkpoint name {name!r} is taken (each name once; 'vllm' is plain vLLM's row)")
+        out[name] = checkpoint
+    return out
+
+
+def acceptance_runs(folders: dict[str, str], concurrency: tuple[int, ...]) -> list[dict]:
+    """`streamspec.vllm.run` runs: plain vLLM, then each drafter folder, each at every concurrency."""
+    runs = [{"drafter": "none", "name": "vllm", "concurrency": n} for n in concurrency]
+    return runs + [{"drafter": "streams", "folder": str(folder), "name": name, "concurrency": n}
+                   for name, folder in folders.items() for n in concurrency]
+
+
+def acceptance_rows(results: list[dict], checkpoints: dict[str, str]) -> list[dict]:
+    """One row a run: tokens/s against plain vLLM at its concurrency, vLLM's mean acceptance length
+    and acceptance per draft position, and whether its outputs equal plain vLLM's."""
+    plain = {r["concurrency"]: r for r in results if r["drafter"] == "none"}
+    return [{"name": r["name"], "checkpoint": checkpoints.get(r["name"]), "concurrency": r["concurrency"],
+             "tokens_per_second": round(r["tokens_per_s"], 2),
+             "x_vllm": round(r["tokens_per_s"] / plain[r["concurrency"]]["tokens_per_s"], 3),
+             "mean_acceptance_length": r.get("mean_acceptance_length"),
+             "acceptance_per_position": r.get("acceptance_per_position"),
+             "identical": r["outputs"] == plain[r["concurrency"]]["outputs"]} for r in results]
+
+
+def acceptance_table(rows: list[dict]) -> str:
+    lines = ["| streams | requests at once | tokens/s | × vLLM plain | mean acceptance | per draft position | identical |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        accept = row["mean_acceptance_length"]
+        per = " / ".join(f"{100 * a:.1f}%" for a in row["acceptance_per_position"] or [])
+        lines.append(f"| {row['name']} | {row['concurrency']} | {row['tokens_per_second']} | {row['x_vllm']:.2f}× | "
+                     f"{'–' if accept is None else f'{accept:.3f}'} | {per or '–'} | "
+                     f"{'yes' if row['identical'] else 'NO'} |")
+    return "\n".join(lines)
