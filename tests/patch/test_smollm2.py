@@ -161,6 +161,25 @@ def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer, n
     assert out.forward_passes < out.tokens.shape[1]  # trained streams: more than one token per pass
 
 
+def test_the_shipped_streams_for_vllm_read_the_next_token(base, tokenizer):
+    """``smollm2-135m-sql-vllm-streams`` (vLLM's DFlash drafter; tests/vllm runs it there) loads by
+    name for the default model and reads the token after each position: streamspec's own decoders,
+    which draft before that token is known, refuse it saying so; its main rows are the base's."""
+    from streamspec import load_streamed
+    from streamspec.data.build import prompt_ids
+    from streamspec.decoding.generate import generate
+
+    model = load_streamed("streamspec:smollm2-135m-sql-vllm-streams", dtype=torch.float32)
+    assert model.stream_config.next_token_input and model.stream_config.mode == "lossless"
+    ids = prompt_ids(tokenizer, load_spider("test")[3])
+    with torch.no_grad():
+        out = model(ids, streams_at="all")
+        plain = base(ids).logits
+    torch.testing.assert_close(out.logits, plain, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="read the token after each position"):
+        generate(model, ids, 4)
+
+
 def test_offline_training_gives_the_online_loss_and_gradients(base, tokenizer):
     """Offline training (stored activations, `data.cache_activations`) on the real model and real
     Spider text: the same loss parts and stream gradients as the online forward."""
