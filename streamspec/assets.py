@@ -122,10 +122,10 @@ REASON_ASSETS_HINT = "make reason-assets (or: python -m streamspec.reason.assets
 
 
 SHIPPED_STREAMS = "smollm2-135m-sql-streams"
-"""The stream weights that ship inside the package (``streamspec/weights/``): self-distilled
-lossless streams with stream adapters for the default model on SQL
-(recipes/smollm2-135m/sql_streams_offline.yaml: the distilled recipe trained offline for 5 epochs). The base stays frozen, so the streamed model's
-outputs are the default model's own."""
+"""The stream weights `make demo` decodes with, shipped inside the package (``streamspec/weights/``,
+whose README lists every set): self-distilled lossless streams with stream adapters for the
+default model on SQL (recipes/smollm2-135m/sql_streams_scale.yaml). The base stays frozen, so the
+streamed model's outputs are the default model's own."""
 
 
 def shipped_streams_path(name: str = SHIPPED_STREAMS) -> Path:
