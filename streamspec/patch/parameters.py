@@ -69,7 +69,8 @@ class StreamParameters(nn.Module):
                 raise ValueError(
                     "these streams read the token after each position (StreamConfig.next_token_input): they draft "
                     "where that token is known, after the verify pass (training and validation here); streamspec's "
-                    "decoders draft inside the verify pass and cannot run them")
+                    "decoders draft inside the verify pass and cannot run them: serve them as vLLM's drafter "
+                    "(`streamspec export --format vllm`, docs/serving.md)")
             embeds = next_embeds.to(dtype)
             embeds = embeds / embeds.detach().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
             streams = streams + (scale * self.next_token_map(embeds))[:, :, None, :].to(main.dtype)
