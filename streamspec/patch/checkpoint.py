@@ -145,7 +145,7 @@ def load_stream_weights(model: StreamedModel, path: Path, absent: tuple[str, ...
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     saved = load_file(path)
-    expected = {k: v for k, v in model.streams.state_dict().items() if not k.startswith(absent or ("\0",))}
+    expected = {k: v for k, v in model.streams.state_dict().items() if not (absent and k.startswith(absent))}
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     shapes = sorted(k for k in set(saved) & set(expected) if saved[k].shape != expected[k].shape)
