@@ -160,9 +160,13 @@ class DFlashStreamsDrafter(StreamsDrafter):
             mains, requests, found = found_mains
             main[:requests * per_request] = mains.to(dtype).repeat_interleave(per_request, dim=0)
         stream = (offset + 1).clamp(max=self.num_streams)
-        # streams that read the next token: each request's bonus token (its row 0), the token at p+1
-        next_ids = None if self.next_token_map is None else input_ids.index_select(0, rows - offset)
-        normed, _ = self._stream_pass(main, stream, self._ones(count, dtype, positions.device), positions, next_ids)
+        # streams that read the next token: each request's bonus token (its row 0), the token at p+1,
+        # mapped once a request and shared by its rows
+        next_mapped = None
+        if self.next_token_map is not None:
+            firsts = torch.arange(0, count, per_request, device=positions.device)
+            next_mapped = self._next_token_term(input_ids.index_select(0, firsts)).index_select(0, rows // per_request)
+        normed, _ = self._stream_pass(main, stream, self._ones(count, dtype, positions.device), positions, next_mapped)
         # draft k (mask row k) is stream k, the row before it
         out = normed.index_select(0, rows - (offset > 0).long())
         if self._alignment_log and found is not None:

@@ -286,18 +286,15 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         return out, prenorm
 
     def _stream_pass(self, main: torch.Tensor, stream: torch.Tensor, mask: torch.Tensor,
-                     positions: torch.Tensor, next_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     positions: torch.Tensor, next_mapped: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``main + rms(main)·P_stream`` (stream 0: the main row itself, P_0 = 0) through the
         drafter's layers, the stream adapters applied where `mask` is 1; (normed, pre-norm). With
-        `next_ids` (the token after each row's main position; streams that read it) each row also
-        gets ``rms(main)·W·n(E(next))``, n(E) the token's input embedding over its RMS."""
+        `next_mapped` (`_next_token_term` of the token after each row's main position; streams that
+        read it) each row also gets ``rms(main)·W·n(E(next))``."""
         scale = main.float().pow(2).mean(-1, keepdim=True).sqrt()
         x = main + (scale * self.stream_vectors.index_select(0, stream).float()).to(main.dtype)
-        if next_ids is not None:
-            weight = self.next_token_map.weight
-            embeds = self.model.embed_tokens(next_ids).to(weight.dtype)
-            embeds = embeds / embeds.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-            x = x + (scale.to(weight.dtype) * self.next_token_map(embeds)).to(main.dtype)
+        if next_mapped is not None:
+            x = x + (scale.to(next_mapped.dtype) * next_mapped).to(main.dtype)
         self._rows.mask = mask
         try:
             residual = None
@@ -306,6 +303,12 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         finally:
             self._rows.mask = None
         return self.model.norm(x, residual)
+
+    def _next_token_term(self, ids: torch.Tensor) -> torch.Tensor:
+        """W·n(E(ids)): the tokens' input embeddings over their RMS through the next-token map."""
+        weight = self.next_token_map.weight
+        embeds = self.model.embed_tokens(ids).to(weight.dtype)
+        return self.next_token_map(embeds / embeds.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_base(self) -> None:
