@@ -2,11 +2,13 @@
 
 A sharded set is a folder (``streamspec distill --engine vllm --out DIR``)::
 
-    DIR/manifest.json        the model, the settings that decide the content, the commands, counts
-    DIR/shard-00000.jsonl    conversations 0..N-1 of the set's order, one row per turn
-    DIR/shard-00001.jsonl    conversations N..2N-1, ...
+    DIR/manifest.json           the model, the settings that decide the content, the commands, counts
+    DIR/shard-00000.jsonl.gz    conversations 0..N-1 of the set's order, one row per turn
+    DIR/shard-00001.jsonl.gz    conversations N..2N-1, ...
 
-A shard is written whole (a temporary file renamed into place), so a shard file that exists is
+Shards are gzip-compressed JSONL (about a fifth of the text: a set of millions of tokens stays small
+enough to keep beside the recipes that train on it); a shard written uncompressed
+(``shard-00000.jsonl``, as earlier versions wrote them) reads the same. A shard is written whole (a temporary file renamed into place), so a shard file that exists is
 complete; a run that stops resumes at the first missing shard, and a run with other settings into
 the same folder is refused. `read_distilled` (`streamspec.data.distill`) reads the folder back.
 
@@ -23,6 +25,7 @@ as the trainer formats it). Each row::
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -121,8 +124,22 @@ def turn_key(source: str, conversation: str, turn: int) -> str:
 
 # ----------------------------------------------------------------------------- the folder
 
+SHARD_SUFFIXES = (".jsonl.gz", ".jsonl")
+
+
 def shard_path(folder: str | Path, index: int) -> Path:
-    return Path(folder) / f"shard-{index:05d}.jsonl"
+    """Where shard `index` is written (gzip-compressed JSONL)."""
+    return Path(folder) / f"shard-{index:05d}.jsonl.gz"
+
+
+def shard_index(path: str | Path) -> int | None:
+    """The index of a shard file (``shard-00007.jsonl.gz`` or ``.jsonl``), None for any other name."""
+    name = Path(path).name
+    for suffix in SHARD_SUFFIXES:
+        stem = name[:-len(suffix)] if name.endswith(suffix) else ""
+        if len(stem) == 11 and stem.startswith("shard-") and stem[6:].isdigit():
+            return int(stem[6:])
+    return None
 
 
 def shard_count(conversations: int, shard_size: int) -> int:
@@ -130,24 +147,43 @@ def shard_count(conversations: int, shard_size: int) -> int:
 
 
 def shard_files(folder: str | Path) -> list[Path]:
-    """The shard files in a folder, in order."""
-    return sorted(Path(folder).glob("shard-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+    """The shard files in a folder, in order (a shard held both compressed and not: the compressed)."""
+    found: dict[int, Path] = {}
+    for path in sorted(Path(folder).glob("shard-*")):
+        index = shard_index(path)
+        if index is not None and (index not in found or path.name.endswith(".gz")):
+            found[index] = path
+    return [found[i] for i in sorted(found)]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it into place: readers (and a
-    resume) see the whole file or none."""
+def read_shard(path: str | Path) -> list[dict]:
+    """The rows of one shard file, compressed or not."""
+    path = Path(path)
+    data = path.read_bytes()
+    text = (gzip.decompress(data) if path.name.endswith(".gz") else data).decode("utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _write_atomic_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
-        handle.write(text)
+    with tmp.open("wb") as handle:
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it into place: readers (and a
+    resume) see the whole file or none."""
+    _write_atomic_bytes(path, text.encode("utf-8"))
+
+
 def write_shard(folder: str | Path, index: int, rows: list[dict]) -> Path:
+    """Shard `index`, written whole; the same rows give the same bytes (no time in the gzip header)."""
     path = shard_path(folder, index)
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    _write_atomic_bytes(path, gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
     return path
 
 
@@ -187,11 +223,7 @@ def read_shards(folder: str | Path) -> list[dict]:
     if read_manifest(folder) is None:
         raise FileNotFoundError(f"{folder} has no {MANIFEST}: not a distilled set (build one with "
                                 "`streamspec distill --engine vllm --out FOLDER`)")
-    rows = []
-    for path in shard_files(folder):
-        with path.open(encoding="utf-8") as handle:
-            rows += [json.loads(line) for line in handle if line.strip()]
-    return rows
+    return [row for path in shard_files(folder) for row in read_shard(path)]
 
 
 def shard_stats(rows: list[dict]) -> dict:

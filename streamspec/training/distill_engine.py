@@ -12,7 +12,6 @@ the tests drive the same loop with a stand-in.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import sys
@@ -21,8 +20,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from ..data.distill_shards import (FORMAT, ShardedDistillArgs, check_manifest, shard_count, shard_files, shard_path,
-                                   shard_stats, turn_key, turn_messages, write_manifest, write_shard)
+from ..data.distill_shards import (FORMAT, ShardedDistillArgs, check_manifest, read_shard, shard_count, shard_files,
+                                   shard_index, shard_stats, turn_key, turn_messages, write_manifest, write_shard)
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,8 @@ class ShardedRun:
         self.shards = shard_count(len(conversations), args.shard_size)
         self.manifest = recorded or {"format": FORMAT, "model": model_key, "engine": engine,
                                      "settings": args.settings(), "command": self.command, "runs": [], "shards": {}}
-        present = {int(p.stem.split("-")[1]) for p in shard_files(self.out)}
+        self.files = {shard_index(p): p for p in shard_files(self.out)}
+        present = set(self.files)
         known = self.manifest.get("shards", {})
         self.stats = {i: known.get(f"{i:05d}") or self._read_stats(i) for i in sorted(present)}
         self.todo = [i for i in range(self.shards) if i not in present]
@@ -179,8 +179,7 @@ class ShardedRun:
             self.todo = []
 
     def _read_stats(self, index: int) -> dict:
-        with shard_path(self.out, index).open(encoding="utf-8") as handle:
-            return shard_stats([json.loads(line) for line in handle if line.strip()])
+        return shard_stats(read_shard(self.files[index]))
 
     def set_tokens(self) -> int:
         return sum(s["completion_tokens"] for s in self.stats.values())

@@ -7,6 +7,7 @@ as they are). vLLM itself runs in tests/vllm/test_vllm_distill.py."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from pathlib import Path
@@ -17,7 +18,7 @@ from streamspec.assets import load_default_tokenizer
 from streamspec.cli import main
 from streamspec.data.build import format_prompt, load_rows, tokenize_rows
 from streamspec.data.distill import read_distilled, row_key
-from streamspec.data.distill_shards import MANIFEST, ShardedDistillArgs, shard_path
+from streamspec.data.distill_shards import MANIFEST, ShardedDistillArgs, read_shard, shard_path
 from streamspec.training import distill_engine
 from streamspec.training.distill_engine import ShardedRun, load_conversations, resolve_sources
 
@@ -89,11 +90,11 @@ def test_each_turn_continues_the_chat_with_the_models_own_replies(tmp_path, toke
 def test_shards_are_whole_files_and_a_run_resumes_at_the_first_missing(tmp_path, tokenizer):
     out, conversations = tmp_path / "set", chats(7)
     summary, first = run(out, tokenizer, conversations)
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "shard-00000.jsonl", "shard-00001.jsonl",
-                                                    "shard-00002.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "shard-00000.jsonl.gz", "shard-00001.jsonl.gz",
+                                                    "shard-00002.jsonl.gz"]
     assert [len({r["conversation"] for r in read_distilled(out) if r["conversation"] in {f"c{i}" for i in ids}})
             for ids in ((0, 1, 2), (3, 4, 5), (6,))] == [3, 3, 1]
-    texts = {i: shard_path(out, i).read_text() for i in range(3)}
+    texts = {i: shard_path(out, i).read_bytes() for i in range(3)}
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["counts"]["shards"] == 3 and manifest["counts"]["conversations"] == 7
     assert manifest["counts"]["completion_tokens"] == summary["completion_tokens"] == summary["set_tokens"]
@@ -104,13 +105,30 @@ def test_shards_are_whole_files_and_a_run_resumes_at_the_first_missing(tmp_path,
     assert idle.prompts == [] and again["shards"] == 3
     # shard 1 lost, a half-written temporary file beside it: only its conversations are decoded again
     shard_path(out, 1).unlink()
-    (out / ".shard-00001.jsonl.123.tmp").write_text('{"half')
+    (out / ".shard-00001.jsonl.gz.123.tmp").write_text('{"half')
     stamps = {i: shard_path(out, i).stat().st_mtime_ns for i in (0, 2)}
     _, second = run(out, tokenizer, conversations)
-    assert {i: shard_path(out, i).read_text() for i in range(3)} == texts
+    assert {i: shard_path(out, i).read_bytes() for i in range(3)} == texts
     assert {i: shard_path(out, i).stat().st_mtime_ns for i in (0, 2)} == stamps  # untouched
     assert len(second.prompts) == sum(len(conversations[i]["turns"]) for i in (3, 4, 5))
     assert len(json.loads((out / MANIFEST).read_text())["runs"]) == 3
+
+
+def test_uncompressed_shards_read_the_same_and_are_not_decoded_again(tmp_path, tokenizer):
+    """Shards as plain JSONL (what earlier versions wrote) are the same set: read alike, counted as
+    present by a resume, and a shard held both ways is read once."""
+    out, conversations = tmp_path / "set", chats(7)
+    run(out, tokenizer, conversations)
+    rows = read_distilled(out)
+    plain = out / "shard-00001.jsonl"
+    plain.write_bytes(gzip.decompress(shard_path(out, 1).read_bytes()))
+    assert read_distilled(out) == rows  # both files of shard 1: read once
+    shard_path(out, 1).unlink()
+    assert read_distilled(out) == rows
+    _, idle = run(out, tokenizer, conversations)
+    assert idle.prompts == [] and not shard_path(out, 1).exists()
+    assert [r["conversation"] for r in read_shard(plain)] == [r["conversation"] for r in rows if r["conversation"] in
+                                                              {"c3", "c4", "c5"}]
 
 
 def test_a_run_that_fails_leaves_whole_shards_and_resumes_to_the_same_set(tmp_path, tokenizer):
@@ -122,7 +140,7 @@ def test_a_run_that_fails_leaves_whole_shards_and_resumes_to_the_same_set(tmp_pa
     assert written and len(written) < 3 and not list((tmp_path / "broken").glob(".*tmp"))
     run(tmp_path / "broken", tokenizer, conversations)
     for i in range(3):
-        assert shard_path(tmp_path / "broken", i).read_text() == shard_path(tmp_path / "whole", i).read_text()
+        assert shard_path(tmp_path / "broken", i).read_bytes() == shard_path(tmp_path / "whole", i).read_bytes()
 
 
 @pytest.mark.parametrize("change", [dict(max_new_tokens=13), dict(shard_size=4), dict(seed=1), dict(max_turns=2),
@@ -130,11 +148,11 @@ def test_a_run_that_fails_leaves_whole_shards_and_resumes_to_the_same_set(tmp_pa
 def test_another_setting_into_the_same_folder_is_refused(tmp_path, tokenizer, change):
     out, conversations = tmp_path / "set", chats(4)
     run(out, tokenizer, conversations)
-    before = {p.name: p.read_text() for p in out.iterdir()}
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(ValueError, match="other settings") as err:
         run(out, tokenizer, conversations, **change)
     assert next(iter(change)) in str(err.value) and "--out" in str(err.value)
-    assert {p.name: p.read_text() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # shards without a manifest are not taken for a set
     (out / MANIFEST).unlink()
     with pytest.raises(ValueError, match="no manifest.json"):
@@ -147,7 +165,7 @@ def test_max_tokens_total_stops_at_a_shard_boundary_and_a_larger_total_goes_on(t
     out, conversations = tmp_path / "set", chats(12)
     summary, _ = run(out, tokenizer, conversations, max_tokens_total=5, max_num_seqs=1)
     assert summary["shards"] == 2 and summary["conversations"] == 6 and summary["set_tokens"] >= 5
-    assert [p.name for p in sorted(out.glob("shard-*"))] == ["shard-00000.jsonl", "shard-00001.jsonl"]
+    assert [p.name for p in sorted(out.glob("shard-*"))] == ["shard-00000.jsonl.gz", "shard-00001.jsonl.gz"]
     assert summary["conversations_left"] == 6 and summary["seconds_left"] > 0
     assert "the other 6 conversations" in distill_engine.summary_line(summary)
     same, idle = run(out, tokenizer, conversations, max_tokens_total=5, max_num_seqs=1)  # the same command: done

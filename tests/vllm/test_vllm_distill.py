@@ -59,12 +59,12 @@ def test_vllm_distils_greedy_chats_into_shards_and_resumes(tmp_path):
     with VLLMGenerator(base, log=tmp_path / "engine.log", max_num_seqs=4, threads=1, max_model_len=512) as engine:
         summary = distil(engine)
         assert summary["shards"] == 2 and summary["rows"] == 12
-        texts = [shard_path(out, i).read_text() for i in range(2)]
+        texts = [shard_path(out, i).read_bytes() for i in range(2)]
         stamp = shard_path(out, 0).stat().st_mtime_ns
         shard_path(out, 1).unlink()
         again = distil(engine)
     assert again["conversations"] == 3 and again["rows"] == 6  # shard 2 only
-    assert [shard_path(out, i).read_text() for i in range(2)] == texts
+    assert [shard_path(out, i).read_bytes() for i in range(2)] == texts
     assert shard_path(out, 0).stat().st_mtime_ns == stamp
     assert len(json.loads((out / MANIFEST).read_text())["runs"]) == 2
 
