@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import StreamConfig
+from ..scales import over_rms, rms
 from .stream_modules import StreamModule, unwrap
 
 STREAM_INIT_STD = 0.3
@@ -61,7 +62,7 @@ class StreamParameters(nn.Module):
             main = main + self.init_up(self.init_down(main.to(dtype))).to(main.dtype)
         streams = main[:, :, None, :].expand(-1, -1, self.num_streams, -1)
         if hasattr(self, "stream_embeddings") or self.reads_next_token:  # rms(M), once
-            scale = main.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(dtype)
+            scale = rms(main).to(dtype)
         if hasattr(self, "stream_embeddings"):
             streams = streams + (scale[:, :, None, :] * self.stream_embeddings).to(main.dtype)
         if self.reads_next_token:
@@ -71,9 +72,7 @@ class StreamParameters(nn.Module):
                     "where that token is known, after the verify pass (training and validation here); streamspec's "
                     "decoders draft inside the verify pass and cannot run them: serve them as vLLM's drafter "
                     "(`streamspec export --format vllm`, docs/serving.md)")
-            embeds = next_embeds.to(dtype)
-            embeds = embeds / embeds.detach().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-            streams = streams + (scale * self.next_token_map(embeds))[:, :, None, :].to(main.dtype)
+            streams = streams + (scale * self.next_token_map(over_rms(next_embeds.to(dtype))))[:, :, None, :].to(main.dtype)
         return streams
 
     def forward(self, main: torch.Tensor, next_embeds: torch.Tensor | None = None) -> torch.Tensor:

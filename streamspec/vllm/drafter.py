@@ -53,6 +53,7 @@ from vllm.model_executor.models.mistral import MistralDecoderLayer
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
+from ..scales import over_rms, rms
 from .format import ALIGNMENT_ENV, DFLASH, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target
 from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
@@ -291,7 +292,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         drafter's layers, the stream adapters applied where `mask` is 1; (normed, pre-norm). With
         `next_mapped` (`_next_token_term` of the token after each row's main position; streams that
         read it) each row also gets ``rms(main)·W·n(E(next))``."""
-        scale = main.float().pow(2).mean(-1, keepdim=True).sqrt()
+        scale = rms(main)
         x = main + (scale * self.stream_vectors.index_select(0, stream).float()).to(main.dtype)
         if next_mapped is not None:
             x = x + (scale.to(next_mapped.dtype) * next_mapped).to(main.dtype)
@@ -307,8 +308,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
     def _next_token_term(self, ids: torch.Tensor) -> torch.Tensor:
         """W·n(E(ids)): the tokens' input embeddings over their RMS through the next-token map."""
         weight = self.next_token_map.weight
-        embeds = self.model.embed_tokens(ids).to(weight.dtype)
-        return self.next_token_map(embeds / embeds.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
+        return self.next_token_map(over_rms(self.model.embed_tokens(ids).to(weight.dtype)))
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_base(self) -> None:

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "streamspec"
 # Rooms from the bottom up; a module may import its own room (within one package) and those below.
 ROOMS = [
     ("foundation", ["streamspec.config", "streamspec.arch", "streamspec.assets", "streamspec.devices",
-                    "streamspec.kernels", "streamspec.attention", "streamspec.fingerprint", "streamspec.native", "streamspec.llamacpp",
+                    "streamspec.kernels", "streamspec.attention", "streamspec.fingerprint", "streamspec.scales", "streamspec.native", "streamspec.llamacpp",
                     "streamspec._llamacpp_child"]),
     ("data", ["streamspec.data"]),
     ("patch", ["streamspec.patch"]),
