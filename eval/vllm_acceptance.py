@@ -1,7 +1,9 @@
 """Streams checkpoints side by side as vLLM's drafter: each exported in the DFlash layout (with a
 pruned draft vocabulary when asked) and run in one vLLM process beside vLLM plain on the same
 held-out prompts; prints each one's mean acceptance length, acceptance per draft position,
-tokens/s and whether its outputs equal plain vLLM's, and writes them as JSON.
+tokens/s and whether its outputs equal plain vLLM's, and writes them as JSON. ``--lookup MIN:MAX``
+adds each checkpoint again with lookup drafts merged into its drafts (row NAME+lookup;
+`streamspec.vllm.lookup`), ``--peers ngram suffix`` vLLM's own lookup drafters beside them.
 
     python eval/vllm_acceptance.py --task sql --limit 32 --out runs/vllm-acceptance.json \\
         --draft-vocab 8192 --draft-vocab-from distilled/sql distilled/sql-styles distilled/sql-self-instruct \\
@@ -21,9 +23,10 @@ from pathlib import Path
 from streamspec.assets import DEFAULT_MODEL_ID, load_tokenizer
 from streamspec.data.build import prompt_ids
 from streamspec.evaluation.benchmark import held_out_rows
-from streamspec.evaluation.vllm_acceptance import acceptance_rows, acceptance_runs, acceptance_table, named_checkpoints
+from streamspec.evaluation.vllm_acceptance import (LOOKUP_SUFFIX, PEERS, acceptance_rows, acceptance_runs, acceptance_table,
+                                                   named_checkpoints)
 from streamspec.evaluation.vllm_peers import check_concurrency, vllm_base
-from streamspec.vllm.client import run_vllm
+from streamspec.vllm.client import check_suffix_decoding, run_vllm
 from streamspec.vllm.export import export_for_vllm
 
 
@@ -36,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="requests at once")
     parser.add_argument("--draft-vocab", type=int, default=None, help="a pruned draft vocabulary of N ids")
     parser.add_argument("--draft-vocab-from", nargs="+", default=None, metavar="DISTILLED")
+    parser.add_argument("--lookup", default=None, metavar="MIN:MAX",
+                        help="also each checkpoint with lookup drafts merged (`streamspec export --lookup`)")
+    parser.add_argument("--peers", nargs="+", default=[], choices=sorted(PEERS),
+                        help="vLLM's lookup drafters in the same process (n-gram as `streamspec eval` runs it; suffix)")
     parser.add_argument("--base", default=DEFAULT_MODEL_ID, help="the served model")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file the rows go to")
     args = parser.parse_args(argv)
@@ -45,13 +52,19 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.base)
         prompts = [prompt_ids(tokenizer, row)[0].tolist() for row in held_out_rows(args.task)[:args.limit]]
         with tempfile.TemporaryDirectory() as tmp:
-            folders = {name: export_for_vllm(checkpoint, Path(tmp) / name, layout="dflash", dtype="float32",
-                                             draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from)
-                       for name, checkpoint in checkpoints.items()}
+            folders = {}
+            for name, checkpoint in checkpoints.items():
+                for lookup in (None, args.lookup) if args.lookup else (None,):
+                    row = name + (LOOKUP_SUFFIX if lookup else "")
+                    folders[row] = export_for_vllm(checkpoint, Path(tmp) / row, layout="dflash", dtype="float32",
+                                                   draft_vocab=args.draft_vocab,
+                                                   draft_vocab_from=args.draft_vocab_from, lookup=lookup)
+            if "suffix" in args.peers:
+                check_suffix_decoding()  # raises naming the fix (`make vllm`) before any engine starts
             spec = {"model": vllm_base(args.base), "prompts": prompts, "max_tokens": args.max_new_tokens,
-                    "dtype": "float32", "runs": acceptance_runs(folders, concurrency)}
+                    "dtype": "float32", "runs": acceptance_runs(folders, concurrency, tuple(args.peers))}
             results = run_vllm(spec)["runs"]
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
         sys.exit(f"vllm_acceptance: error: {err}")
     rows = acceptance_rows(results, checkpoints)
     print(acceptance_table(rows))

@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "--draft-vocab-from), an LM head of N rows in the drafter's pass (default: every id)")
     export.add_argument("--draft-vocab-from", nargs="+", default=None, metavar="DISTILLED",
                         help="the distilled sets (folders or JSONL) the draft vocabulary is counted in")
+    export.add_argument("--lookup", default=None, metavar="MIN:MAX",
+                        help="with --format vllm: each step, what followed the latest earlier occurrence of the "
+                             "request's last MAX..MIN tokens in its own text replaces the streams' first drafts "
+                             "(e.g. 2:4; default: the streams' drafts only)")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
     merge = sub.add_parser("merge", help="fold a peft LoRA adapter into its base (a base for lossless streams)")
@@ -343,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--layout is the vLLM drafter's draft layout: it goes with --format vllm")
     if args.command == "export" and args.format != "vllm" and (args.draft_vocab or args.draft_vocab_from):
         parser.error("--draft-vocab is the vLLM drafter's draft vocabulary: it goes with --format vllm")
+    if args.command == "export" and args.format != "vllm" and args.lookup:
+        parser.error("--lookup merges lookup drafts into the vLLM drafter's: it goes with --format vllm")
     if args.command == "export" and (args.draft_vocab is None) != (args.draft_vocab_from is None):
         parser.error("--draft-vocab N and --draft-vocab-from DISTILLED go together (the size, and the model's own "
                      "text the ids are counted in)")
@@ -381,7 +387,8 @@ def _run(args) -> int:
             from .vllm.format import DEFAULT_LAYOUT
 
             target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype, layout=args.layout or DEFAULT_LAYOUT,
-                                     draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from)
+                                     draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from,
+                                     lookup=args.lookup)
             print(target)
             print("serve it with:", serve_command(target), file=sys.stderr)
         else:

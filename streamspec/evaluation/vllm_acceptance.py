@@ -5,6 +5,8 @@ tokens/s does (compare within one run)."""
 
 from __future__ import annotations
 
+from .vllm_peers import NGRAM_TOKENS
+
 
 def named_checkpoints(items: list[str]) -> dict[str, str]:
     """``NAME=CHECKPOINT`` items -> {name: checkpoint}; a bare checkpoint is named by itself."""
@@ -19,9 +21,20 @@ def named_checkpoints(items: list[str]) -> dict[str, str]:
     return out
 
 
-def acceptance_runs(folders: dict[str, str], concurrency: tuple[int, ...]) -> list[dict]:
-    """`streamspec.vllm.run` runs: plain vLLM, then each drafter folder, each at every concurrency."""
+LOOKUP_SUFFIX = "+lookup"  # the row of a checkpoint's drafter with lookup drafts merged (``--lookup``)
+# lookup drafters run beside the streams (``--peers``): vLLM's n-gram drafter as `streamspec eval` runs it
+PEERS = {"ngram": {"drafter": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": NGRAM_TOKENS},
+         "suffix": {"drafter": "suffix"}}
+
+
+def acceptance_runs(folders: dict[str, str], concurrency: tuple[int, ...], peers: tuple[str, ...] = ()) -> list[dict]:
+    """`streamspec.vllm.run` runs: plain vLLM, the `peers` (`PEERS`, named ``vllm_NAME``), then each
+    drafter folder, each at every concurrency."""
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ValueError(f"peers {unknown}: choose among {sorted(PEERS)}")
     runs = [{"drafter": "none", "name": "vllm", "concurrency": n} for n in concurrency]
+    runs += [{**PEERS[peer], "name": f"vllm_{peer}", "concurrency": n} for peer in peers for n in concurrency]
     return runs + [{"drafter": "streams", "folder": str(folder), "name": name, "concurrency": n}
                    for name, folder in folders.items() for n in concurrency]
 
@@ -30,7 +43,8 @@ def acceptance_rows(results: list[dict], checkpoints: dict[str, str]) -> list[di
     """One row a run: tokens/s against plain vLLM at its concurrency, vLLM's mean acceptance length
     and acceptance per draft position, and whether its outputs equal plain vLLM's."""
     plain = {r["concurrency"]: r for r in results if r["drafter"] == "none"}
-    return [{"name": r["name"], "checkpoint": checkpoints.get(r["name"]), "concurrency": r["concurrency"],
+    return [{"name": r["name"], "checkpoint": checkpoints.get(r["name"].removesuffix(LOOKUP_SUFFIX)),
+             "concurrency": r["concurrency"],
              "tokens_per_second": round(r["tokens_per_s"], 2),
              "x_vllm": round(r["tokens_per_s"] / plain[r["concurrency"]]["tokens_per_s"], 3),
              "mean_acceptance_length": r.get("mean_acceptance_length"),
@@ -39,7 +53,7 @@ def acceptance_rows(results: list[dict], checkpoints: dict[str, str]) -> list[di
 
 
 def acceptance_table(rows: list[dict]) -> str:
-    lines = ["| streams | requests at once | tokens/s | × vLLM plain | mean acceptance | per draft position | identical |",
+    lines = ["| drafter | requests at once | tokens/s | × vLLM plain | mean acceptance | per draft position | identical |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         accept = row["mean_acceptance_length"]

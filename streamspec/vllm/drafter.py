@@ -55,6 +55,7 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 from ..fingerprint import same_fingerprint
 from ..scales import over_rms, rms
 from .format import ALIGNMENT_ENV, DFLASH, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target
+from .lookup import install_lookup_hook, parse_lookup
 from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,10 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         self.zero_drafts = zero_drafts_mode()
         self.step_drafts: int | None = None  # set by the proposer hook at each step (K')
         install_proposer_hook()
+        # lookup drafts merged into the streams' each step (`streamspec.vllm.lookup`), read by the runner hook
+        self.lookup = parse_lookup(facts.get("lookup"))
+        if self.lookup:
+            install_lookup_hook()
         self.config.draft_vocab_size = self.config.vocab_size
         # vLLM's layers index the config's per-layer attention kinds relative to the target's layers
         self.config.target_layer_count = int(facts["num_hidden_layers"])

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from . import ARCHITECTURES, architecture
 from .format import (CHECKED, DEFAULT_LAYOUT, DFLASH, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, PEAGLE, check_layout,
                      layout_aux_layers, recommended_drafts, streams_speculative_config)
+from .lookup import parse_lookup
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -149,14 +150,17 @@ def check_exportable(stream_config, model_type: str, layout: str = DEFAULT_LAYOU
 
 def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.dtype | None = None,
                     layout: str = DEFAULT_LAYOUT, draft_vocab: int | None = None,
-                    draft_vocab_from: list[str | Path] | None = None) -> Path:
+                    draft_vocab_from: list[str | Path] | None = None, lookup: str | list | None = None) -> Path:
     """Write the vLLM drafter folder for a lossless streamed checkpoint into `out`, for `layout`
     (`streamspec.vllm.format.LAYOUTS`); returns it. `draft_vocab` N: drafts among the N ids the
     model writes most often in the distilled sets `draft_vocab_from` (`draft_vocabulary`).
+    `lookup` ``"MIN:MAX"``: each step the request's own text is looked up for its last MAX..MIN
+    tokens and what followed them replaces the streams' first drafts (`streamspec.vllm.lookup`).
 
     Serve it with the line `serve_command` prints (docs/serving.md), after ``pip install
     streamspec`` in vLLM's environment."""
     check_layout(layout)
+    lookup = parse_lookup(lookup)
     if draft_vocab_from and not draft_vocab:
         raise ValueError("--draft-vocab-from names the text a draft vocabulary is counted in: give its size, --draft-vocab N")
     from ..config import StreamConfig
@@ -175,6 +179,8 @@ def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.
         tensors["draft_vocab"] = draft_vocabulary(list(draft_vocab_from or []), int(draft_vocab),
                                                   int(model.hf_model.config.vocab_size))
         config["streamspec"]["draft_vocab_size"] = int(draft_vocab)
+    if lookup:
+        config["streamspec"]["lookup"] = lookup
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -214,6 +220,10 @@ def check_drafter_folder(folder: str | Path) -> dict:
                 or int(vocab[0]) < 0 or int(vocab[-1]) >= int(facts["vocab_size"])):
             problems.append(f"draft_vocab_size={size} but the draft_vocab tensor is "
                             f"{'missing' if vocab is None else tuple(vocab.shape)} (ascending ids of the vocabulary expected)")
+    try:
+        parse_lookup(facts.get("lookup"))
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ValueError(f"{folder}: " + "; ".join(problems))
     return config

@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from streamspec import StreamConfig, add_streams, load_streamed
 from streamspec.vllm.client import VLLMRunError, check_suffix_decoding, run_vllm, vllm_python
 from streamspec.vllm.format import ALIGNMENT_ENV
+from streamspec.vllm.lookup import LOOKUP_ENV, lookup_drafts
 from streamspec.vllm.export import export_for_vllm
 
 try:
@@ -470,7 +472,7 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     """SmolLM2 with the shipped SQL streams on held-out Spider questions: identical to vLLM without
     speculation one at a time and 8 at once, vLLM's acceptance counters above 1, and the drafts
     equal to streamspec's own streams; the same for the shipped SQL streams for vLLM, which read
-    the bonus token, one at a time."""
+    the bonus token, one at a time; and those with lookup drafts merged, 8 at once."""
     from streamspec.assets import default_model_path, load_default_tokenizer
     from streamspec.data.build import prompt_ids
     from streamspec.evaluation.benchmark import held_out_rows
@@ -480,14 +482,31 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     drafter = export_for_vllm("streamspec:smollm2-135m-sql-streams", tmp_path / "drafter")
     reading = export_for_vllm("streamspec:smollm2-135m-sql-vllm-streams", tmp_path / "drafter-vllm")
     log = tmp_path / "log.jsonl"
+    lookup = export_for_vllm("streamspec:smollm2-135m-sql-vllm-streams", tmp_path / "drafter-lookup", lookup="2:4")
+    lookup_log = tmp_path / "lookup.jsonl"
     spec = {"model": str(default_model_path()), "prompts": prompts, "max_tokens": 48, "warmup": False,
             "runs": [{"drafter": "none"}, {"drafter": "streams", "folder": str(drafter)},
                      {"drafter": "streams", "folder": str(drafter), "concurrency": 8},
-                     {"drafter": "streams", "folder": str(reading)}]}
-    plain, streams, batched, next_token = run_vllm(spec, env={ALIGNMENT_ENV: str(log)})["runs"]
-    assert streams["outputs"] == plain["outputs"] == batched["outputs"] == next_token["outputs"]
+                     {"drafter": "streams", "folder": str(reading)},
+                     {"drafter": "streams", "folder": str(lookup), "concurrency": 8}]}
+    plain, streams, batched, next_token, looked_up = run_vllm(
+        spec, env={ALIGNMENT_ENV: str(log), LOOKUP_ENV: str(lookup_log)})["runs"]
+    assert streams["outputs"] == plain["outputs"] == batched["outputs"] == next_token["outputs"] == looked_up["outputs"]
     assert streams["mean_acceptance_length"] > 1.5 and batched["mean_acceptance_length"] > 1.5
     assert next_token["mean_acceptance_length"] > 1.5
+    # lookup drafts: each request looked up in its own text as it stood (prompt, output so far; a
+    # request's last step samples past max_tokens, which vLLM then cuts), the drafts beginning with
+    # what the lookup finds there; SQL copies its schema's names, so more is accepted
+    texts = [p + o for p, o in zip(prompts, plain["outputs"])]
+    merged = 0
+    for line in read_log(lookup_log):
+        text = line["text"]
+        assert any(len(p) < len(text) and text[:len(t)] == t[:len(text)] for p, t in zip(prompts, texts))
+        found = lookup_drafts(np.array(text), 3, 2, 4).tolist()
+        assert line["drafts"][:len(found)] == found
+        merged += bool(found)
+    assert merged > 0
+    assert looked_up["mean_acceptance_length"] > next_token["mean_acceptance_length"]
     records = read_log(log)
     for run, name, start in ((streams, "smollm2-135m-sql-streams", 0),
                              (next_token, "smollm2-135m-sql-vllm-streams", batched["alignment_lines"][-1])):

@@ -280,6 +280,15 @@ def test_the_acceptance_comparison_rows():
     assert rows[2]["checkpoint"] == "A" and rows[0]["mean_acceptance_length"] is None
     table = acceptance_table(rows)
     assert "| a | 1 | 15.0 | 1.50× | 2.000 | 60.0% / 30.0% / 10.0% | yes |" in table and "| NO |" in table
+    # vLLM's lookup drafters beside them, after plain; a checkpoint's +lookup row names its checkpoint
+    runs = acceptance_runs({"a": "A", "a+lookup": "AL"}, (1,), ("ngram", "suffix"))
+    assert [(r["name"], r["drafter"]) for r in runs] == [
+        ("vllm", "none"), ("vllm_ngram", "ngram"), ("vllm_suffix", "suffix"), ("a", "streams"), ("a+lookup", "streams")]
+    assert runs[1]["num_speculative_tokens"] == runs[1]["prompt_lookup_max"] == 4
+    results = [{**r, "tokens_per_s": 10.0, "outputs": [[1]]} for r in runs]
+    assert [r["checkpoint"] for r in acceptance_rows(results, {"a": "A"})] == [None, None, None, "A", "A"]
+    with pytest.raises(ValueError, match="choose among"):
+        acceptance_runs({}, (1,), ("eagle",))
 
 
 def test_a_draft_vocabulary_variant_is_its_own_row():

@@ -1,0 +1,108 @@
+"""Lookup drafts merged into the streams' drafts in vLLM (`streamspec.vllm.lookup`): what the
+lookup finds, how it is merged, the text each request is looked up in, and the drafter folder that
+asks for it. No vLLM needed here (tests/vllm/test_vllm_drafter.py runs such a folder in vLLM)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from streamspec.cli import main
+from streamspec.vllm.export import check_drafter_folder, export_for_vllm
+from streamspec.vllm.lookup import lookup_drafts, merge_lookup, parse_lookup, request_texts
+
+from test_vllm_export import streamed_checkpoint
+
+
+def reference_lookup(text: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The lookup written plainly: the longest n whose last n tokens occur earlier (followed by at
+    least one token), at their latest such occurrence."""
+    for n in range(min(max_n, len(text) - 1), min_n - 1, -1):
+        for start in range(len(text) - n - 1, -1, -1):
+            if text[start:start + n] == text[len(text) - n:]:
+                return text[start + n:start + n + k]
+    return []
+
+
+def test_the_lookup_takes_the_longest_suffix_at_its_latest_earlier_occurrence():
+    text = [5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7]
+    # "5 6 7" (n = 3) occurs at 0 only: what followed it there, even though "6 7" occurs later
+    assert lookup_drafts(np.array(text), 3, 1, 4).tolist() == [8, 1, 6]
+    # with n at most 2: "6 7" at its latest earlier occurrence (5), followed by 9, 2, 5
+    assert lookup_drafts(np.array(text), 3, 1, 2).tolist() == [9, 2, 5]
+    # the continuation may end at the text's end; none found: empty
+    assert lookup_drafts(np.array([1, 2, 3, 1, 2]), 5, 2, 2).tolist() == [3, 1, 2]
+    assert lookup_drafts(np.array([1, 2, 3, 4]), 3, 1, 4).size == 0
+    assert lookup_drafts(np.array([4, 4]), 3, 2, 4).size == 0  # a text shorter than MIN + 1
+    generator = np.random.default_rng(0)
+    for _ in range(300):
+        text = generator.integers(0, 6, size=int(generator.integers(1, 40))).tolist()
+        k, low = int(generator.integers(1, 5)), int(generator.integers(1, 4))
+        high = low + int(generator.integers(0, 4))
+        assert lookup_drafts(np.array(text), k, low, high).tolist() == reference_lookup(text, k, low, high)
+
+
+def test_lookup_drafts_replace_the_first_drafts_and_the_streams_keep_the_rest():
+    drafts = torch.tensor([[70, 71, 72], [80, 81, 82], [90, 91, 92]])
+    texts = [np.array([1, 2, 3, 1, 2]),  # "1 2" found: followed by 3 1 2 → all three replaced
+             np.array([4, 5, 4]),        # "4" (n = 1 < MIN 2) only: kept
+             None]                       # not drafting this step: kept
+    assert merge_lookup(drafts, texts, 2, 4) == 1
+    assert drafts.tolist() == [[3, 1, 2], [80, 81, 82], [90, 91, 92]]
+    short = torch.tensor([[70, 71, 72]])
+    assert merge_lookup(short, [np.array([7, 8, 9, 7, 8])], 2, 2) == 1  # "7 8" → 9 7 8
+    assert short.tolist() == [[9, 7, 8]]
+    partial = torch.tensor([[70, 71, 72]])
+    merge_lookup(partial, [np.array([1, 2, 3, 9, 1, 2])], 2, 2)  # "1 2" → 3 9 1
+    assert partial.tolist() == [[3, 9, 1]]
+    tail = torch.tensor([[70, 71, 72]])
+    merge_lookup(tail, [np.array([3, 1, 2, 8, 1, 2])], 2, 2)  # followed by 8 1 2 at 1
+    assert tail.tolist() == [[8, 1, 2]]
+    end = torch.tensor([[70, 71, 72]])
+    merge_lookup(end, [np.array([6, 1, 2, 1, 2])], 2, 2)  # "1 2" earlier at 1 only, followed by 1 2
+    assert end.tolist() == [[1, 2, 72]]  # two tokens found: the streams keep the third
+
+
+def test_a_requests_text_is_its_tokens_so_far_and_the_steps_valid_sampled_tokens():
+    batch = SimpleNamespace(token_ids_cpu=np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0], [6, 0, 0, 0, 0]]),
+                            num_tokens_no_spec=np.array([3, 2, 1]))
+    sampled = torch.tensor([[7, 8, -1], [-1, -1, -1], [9, -1, -1]])
+    texts = request_texts(batch, sampled, 3)
+    assert texts[0].tolist() == [1, 2, 3, 7, 8] and texts[1] is None and texts[2].tolist() == [6, 9]
+    assert [t if t is None else t.tolist() for t in request_texts(batch, [[7], [], [9, 10]], 3)] == [
+        [1, 2, 3, 7], None, [6, 9, 10]]
+
+
+@pytest.mark.parametrize("value", ["2", "0:3", "3:2", "a:b", "2:99", [1], None])
+def test_lookup_lengths_are_checked(value):
+    if value is None:
+        assert parse_lookup(None) is None
+        return
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        parse_lookup(value)
+    assert parse_lookup("2:4") == [2, 4] and parse_lookup([1, 1]) == [1, 1]
+
+
+def test_a_drafter_folder_with_lookup(tmp_path, capsys):
+    _, ckpt, _ = streamed_checkpoint(tmp_path, "llama")
+    out = tmp_path / "lookup"
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(out), "--lookup", "2:4"]) == 0
+    assert check_drafter_folder(out)["streamspec"]["lookup"] == [2, 4]
+    plain = export_for_vllm(ckpt, tmp_path / "plain")
+    assert "lookup" not in check_drafter_folder(plain)["streamspec"]
+    assert (out / "model.safetensors").read_bytes() == (plain / "model.safetensors").read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    config["streamspec"]["lookup"] = [4, 2]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        check_drafter_folder(out)
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(tmp_path / "x"),
+                 "--lookup", "5"]) == 2
+    assert "MIN:MAX" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "y"), "--lookup", "2:4"])
+    assert "--lookup" in capsys.readouterr().err
