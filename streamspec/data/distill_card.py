@@ -20,8 +20,8 @@ TASK_SOURCES = {
     "self_instruct": f"the model's own questions (a schema_questions set) over the 146 unused schemas; {SPIDER} "
                      "(schemas)",
 }
-MODEL_TEXT = ("every completion is the model's own greedy text (float32, vLLM's offline engine), under the "
-              "model's licence (SmolLM2-135M-Instruct: Apache-2.0)")
+MODEL_TEXT = ("every completion is the model's own greedy text (vLLM's offline engine, in each set's dtype), under "
+              "the model's licence (SmolLM2-135M-Instruct: Apache-2.0)")
 
 
 def source_origin(source: str) -> str:
@@ -73,12 +73,13 @@ def distilled_card_markdown(data: dict) -> str:
              f"{totals.get('conversations', 0):,} conversations, {totals.get('rows', 0):,} rows (turns), "
              f"{totals.get('completion_tokens', 0):,} generated tokens on {totals.get('prompt_tokens', 0):,} prompt "
              f"tokens; {data['text']}.", "",
-             "| set | shards | source | conversations | rows | generated tokens | prompts from, licence |",
-             "|---|---|---|---:|---:|---:|---|"]
+             "| set | shards | dtype | source | conversations | rows | generated tokens | prompts from, licence |",
+             "|---|---|---|---|---:|---:|---:|---|"]
     for entry in data["sets"]:
         shards = f"{entry['shards']} of {entry['shards_planned']}"
+        dtype = entry["settings"].get("dtype", "float32")
         for s in entry["sources"]:
-            lines.append(f"| {entry['folder']} | {shards} | {s['source']} | {s['conversations']:,} | {s['rows']:,} | "
+            lines.append(f"| {entry['folder']} | {shards} | {dtype} | {s['source']} | {s['conversations']:,} | {s['rows']:,} | "
                          f"{s['completion_tokens']:,} | {s['origin']} |")
     lines += ["", "## Commands", ""]
     lines += [f"- {entry['folder']}: `{entry['command']}`" for entry in data["sets"]]

@@ -313,7 +313,7 @@ def test_a_data_card_of_distilled_sets_counts_every_row_by_source(tmp_path, toke
     assert source_origin("unused_databases@compact").endswith("written in the 'compact' style")
     assert "CC BY-SA 4.0" in source_origin("train") and "MIT" in source_origin("chitchat")
     assert main(["data", "card", "--distilled", str(tmp_path / "one"), "--out", str(tmp_path / "card.md")]) in (0, None)
-    assert "| one | 2 of 2 | chat | 4 |" in (tmp_path / "card.md").read_text()
+    assert "| one | 2 of 2 | float32 | chat | 4 |" in (tmp_path / "card.md").read_text()
     with pytest.raises(FileNotFoundError, match="not a distilled set"):
         distilled_card([tmp_path])
     assert main(["data", "card", "--distilled", str(tmp_path / "one"), "--sources", "chitchat", "--out", "x.md"]) == 2
