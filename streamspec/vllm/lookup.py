@@ -14,8 +14,7 @@ replaced so are deterministic proposals, as vLLM's n-gram drafter's are; a draft
 reports draft probabilities (sampling that uses them) keeps its own drafts unmerged.
 
 `install_lookup_hook` wraps the model runner's ``propose_draft_token_ids`` (once a process, without
-changing vLLM's files): it runs before the runner appends the step's sampled tokens to its copy of
-the text, so a request's text is its tokens so far plus the step's valid sampled tokens.
+changing vLLM's files); `request_texts` reads each request's text there.
 """
 
 from __future__ import annotations
@@ -79,21 +78,22 @@ def merge_lookup(drafts: Any, texts: list[np.ndarray | None], min_n: int, max_n:
 
 
 def request_texts(input_batch, sampled_token_ids, requests: int) -> list[np.ndarray | None]:
-    """Each request's text as the step leaves it: the runner's token copy (the tokens before this
-    step) and this step's valid sampled tokens (-1 marks the rejected; none: the request is still
-    reading its prompt and drafts nothing)."""
+    """Each request's text as the step leaves it (None: it drafts nothing this step, e.g. it is
+    still reading its prompt). vLLM hands the step's sampled tokens either as a tensor, ``[requests,
+    K+1]`` with -1 where rejected, before the runner appends them to its token copy (the default,
+    padded drafter batch), or as lists, after it has (``disable_padded_drafter_batch``): the text
+    is the copy's tokens plus the valid sampled ones in the first case, the copy alone in the second."""
+    appended = not hasattr(sampled_token_ids, "cpu")
+    sampled = sampled_token_ids if appended else sampled_token_ids.cpu().numpy()
     texts: list[np.ndarray | None] = []
-    sampled = sampled_token_ids
-    if hasattr(sampled, "cpu"):
-        sampled = sampled.cpu().numpy()
     for i in range(requests):
-        new = np.asarray(sampled[i]) if i < len(sampled) else np.empty(0, dtype=np.int64)
+        new = np.asarray(sampled[i], dtype=np.int64) if i < len(sampled) else np.empty(0, dtype=np.int64)
         new = new[new >= 0]
         if new.size == 0:
             texts.append(None)
             continue
-        known = int(input_batch.num_tokens_no_spec[i])
-        texts.append(np.concatenate([input_batch.token_ids_cpu[i, :known].astype(np.int64), new.astype(np.int64)]))
+        known = input_batch.token_ids_cpu[i, :int(input_batch.num_tokens_no_spec[i])].astype(np.int64)
+        texts.append(known if appended else np.concatenate([known, new]))
     return texts
 
 

@@ -73,7 +73,10 @@ def test_a_requests_text_is_its_tokens_so_far_and_the_steps_valid_sampled_tokens
     sampled = torch.tensor([[7, 8, -1], [-1, -1, -1], [9, -1, -1]])
     texts = request_texts(batch, sampled, 3)
     assert texts[0].tolist() == [1, 2, 3, 7, 8] and texts[1] is None and texts[2].tolist() == [6, 9]
-    assert [t if t is None else t.tolist() for t in request_texts(batch, [[7], [], [9, 10]], 3)] == [
+    # as lists (vLLM's unpadded drafter batch) the runner has already appended them to its copy
+    appended = SimpleNamespace(token_ids_cpu=np.array([[1, 2, 3, 7, 0], [4, 5, 0, 0, 0], [6, 9, 10, 0, 0]]),
+                               num_tokens_no_spec=np.array([4, 2, 3]))
+    assert [t if t is None else t.tolist() for t in request_texts(appended, [[7], [], [9, 10]], 3)] == [
         [1, 2, 3, 7], None, [6, 9, 10]]
 
 
