@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-LOOKUP_ENV = "STREAMSPEC_VLLM_LOOKUP_LOG"  # a file: one JSON line a merge, {"text": n, "drafts": [...]}
+# a file: a JSON line for each drafting request each step, {"text": [its ids], "drafts": [the step's drafts]}
+LOOKUP_ENV = "STREAMSPEC_VLLM_LOOKUP_LOG"
 LONGEST_NGRAM = 16
 
 
