@@ -23,8 +23,8 @@ from pathlib import Path
 from streamspec.assets import DEFAULT_MODEL_ID, load_tokenizer
 from streamspec.data.build import prompt_ids
 from streamspec.evaluation.benchmark import held_out_rows
-from streamspec.evaluation.vllm_acceptance import (LOOKUP_SUFFIX, PEERS, acceptance_rows, acceptance_runs, acceptance_table,
-                                                   named_checkpoints)
+from streamspec.evaluation.vllm_acceptance import (LOOKUP_SUFFIX, PEERS, acceptance_rows, acceptance_runs,
+                                                   acceptance_table, named_checkpoints)
 from streamspec.evaluation.vllm_peers import check_concurrency, vllm_base
 from streamspec.vllm.client import check_suffix_decoding, run_vllm
 from streamspec.vllm.export import export_for_vllm

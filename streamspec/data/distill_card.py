@@ -79,8 +79,8 @@ def distilled_card_markdown(data: dict) -> str:
         shards = f"{entry['shards']} of {entry['shards_planned']}"
         dtype = entry["settings"].get("dtype", "float32")
         for s in entry["sources"]:
-            lines.append(f"| {entry['folder']} | {shards} | {dtype} | {s['source']} | {s['conversations']:,} | {s['rows']:,} | "
-                         f"{s['completion_tokens']:,} | {s['origin']} |")
+            lines.append(f"| {entry['folder']} | {shards} | {dtype} | {s['source']} | {s['conversations']:,} | "
+                         f"{s['rows']:,} | {s['completion_tokens']:,} | {s['origin']} |")
     lines += ["", "## Commands", ""]
     lines += [f"- {entry['folder']}: `{entry['command']}`" for entry in data["sets"]]
     return "\n".join(lines) + "\n"

@@ -72,7 +72,8 @@ class StreamParameters(nn.Module):
                     "where that token is known, after the verify pass (training and validation here); streamspec's "
                     "decoders draft inside the verify pass and cannot run them: serve them as vLLM's drafter "
                     "(`streamspec export --format vllm`, docs/serving.md)")
-            streams = streams + (scale * self.next_token_map(over_rms(next_embeds.to(dtype))))[:, :, None, :].to(main.dtype)
+            mapped = self.next_token_map(over_rms(next_embeds.to(dtype)))
+            streams = streams + (scale * mapped)[:, :, None, :].to(main.dtype)
         return streams
 
     def forward(self, main: torch.Tensor, next_embeds: torch.Tensor | None = None) -> torch.Tensor:
