@@ -63,19 +63,24 @@ def lookup_drafts(text: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarra
 def merge_lookup(drafts: Any, texts: list[np.ndarray | None], min_n: int, max_n: int) -> int:
     """Write each request's lookup drafts over the first of its streams' drafts, in place
     (`drafts`: [requests, K] tensor; `texts`: each request's text, None where it drafts nothing
-    this step); returns how many requests took lookup drafts."""
+    this step); returns how many requests took lookup drafts. The merged rows are built on the host
+    and reach `drafts`' device in one copy."""
     import torch
 
-    merged = 0
     k = drafts.shape[1]
-    for i, text in enumerate(texts):
-        if text is None or k == 0:
-            continue
-        found = lookup_drafts(text, k, min_n, max_n)
-        if found.size:
-            drafts[i, :found.size] = torch.as_tensor(found, dtype=drafts.dtype, device=drafts.device)
-            merged += 1
-    return merged
+    found = [None if text is None else lookup_drafts(text, k, min_n, max_n) for text in texts]
+    taken = [i for i, f in enumerate(found) if f is not None and f.size]
+    if not taken:
+        return 0
+    values = np.zeros((len(taken), k), dtype=np.int64)
+    keep = np.ones((len(taken), k), dtype=bool)
+    for row, i in enumerate(taken):
+        values[row, :found[i].size], keep[row, :found[i].size] = found[i], False
+    index = torch.as_tensor(taken, device=drafts.device)
+    rows = drafts.index_select(0, index)
+    merged = torch.where(torch.as_tensor(keep).to(drafts.device), rows, torch.as_tensor(values).to(drafts))
+    drafts.index_copy_(0, index, merged)
+    return len(taken)
 
 
 def request_texts(input_batch, sampled_token_ids, requests: int) -> list[np.ndarray | None]:
