@@ -3,7 +3,9 @@ pruned draft vocabulary when asked) and run in one vLLM process beside vLLM plai
 held-out prompts; prints each one's mean acceptance length, acceptance per draft position,
 tokens/s and whether its outputs equal plain vLLM's, and writes them as JSON. ``--lookup MIN:MAX``
 adds each checkpoint again with lookup drafts merged into its drafts (row NAME+lookup;
-`streamspec.vllm.lookup`), ``--peers ngram suffix`` vLLM's own lookup drafters beside them.
+`streamspec.vllm.lookup`), ``--lookup-drafts K [K ...]`` such a row for each K drafts a step
+(NAME+lookup+KK; up to 2γ, lookup filling the positions past the streams'), ``--peers ngram
+suffix`` vLLM's own lookup drafters beside them.
 
     python eval/vllm_acceptance.py --task sql --limit 32 --out runs/vllm-acceptance.json \\
         --draft-vocab 8192 --draft-vocab-from distilled/sql distilled/sql-styles distilled/sql-self-instruct \\
@@ -23,8 +25,8 @@ from pathlib import Path
 from streamspec.assets import DEFAULT_MODEL_ID, load_tokenizer
 from streamspec.data.build import prompt_ids
 from streamspec.evaluation.benchmark import held_out_rows
-from streamspec.evaluation.vllm_acceptance import (LOOKUP_SUFFIX, PEERS, acceptance_rows, acceptance_runs,
-                                                   acceptance_table, named_checkpoints)
+from streamspec.evaluation.vllm_acceptance import (PEERS, acceptance_rows, acceptance_runs, acceptance_table,
+                                                   lookup_row_name, named_checkpoints)
 from streamspec.evaluation.vllm_peers import check_concurrency, vllm_base
 from streamspec.vllm.client import check_suffix_decoding, run_vllm
 from streamspec.vllm.export import export_for_vllm
@@ -41,11 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab-from", nargs="+", default=None, metavar="DISTILLED")
     parser.add_argument("--lookup", default=None, metavar="MIN:MAX",
                         help="also each checkpoint with lookup drafts merged (`streamspec export --lookup`)")
+    parser.add_argument("--lookup-drafts", type=int, nargs="+", default=None, metavar="K",
+                        help="drafts a step of the lookup rows, a row each (`streamspec export --drafts`; default γ; "
+                             "up to 2γ, lookup filling the positions past the streams')")
     parser.add_argument("--peers", nargs="+", default=[], choices=sorted(PEERS),
                         help="vLLM's lookup drafters in the same process (n-gram as `streamspec eval` runs it; suffix)")
     parser.add_argument("--base", default=DEFAULT_MODEL_ID, help="the served model")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file the rows go to")
     args = parser.parse_args(argv)
+    if args.lookup_drafts and not args.lookup:
+        parser.error("--lookup-drafts gives the lookup rows their drafts a step: it goes with --lookup MIN:MAX")
     try:
         checkpoints = named_checkpoints(args.checkpoints)
         concurrency = check_concurrency(args.concurrency)
@@ -54,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             folders = {}
             for name, checkpoint in checkpoints.items():
-                for lookup in (None, args.lookup) if args.lookup else (None,):
-                    row = name + (LOOKUP_SUFFIX if lookup else "")
+                variants = [(name, None, None)]
+                if args.lookup:
+                    variants += [(lookup_row_name(name, k), args.lookup, k) for k in args.lookup_drafts or [None]]
+                for row, lookup, drafts in variants:
                     folders[row] = export_for_vllm(checkpoint, Path(tmp) / row, layout="dflash", dtype="float32",
                                                    draft_vocab=args.draft_vocab,
-                                                   draft_vocab_from=args.draft_vocab_from, lookup=lookup)
+                                                   draft_vocab_from=args.draft_vocab_from, lookup=lookup, drafts=drafts)
             if "suffix" in args.peers:
                 check_suffix_decoding()  # raises naming the fix (`make vllm`) before any engine starts
             spec = {"model": vllm_base(args.base), "prompts": prompts, "max_tokens": args.max_new_tokens,
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"task": args.task, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-                                        "draft_vocab": args.draft_vocab, "rows": rows}, indent=2) + "\n")
+                                        "draft_vocab": args.draft_vocab,
+                                        "lookup": args.lookup, "lookup_drafts": args.lookup_drafts, "rows": rows}, indent=2) + "\n")
     return 0
 
 

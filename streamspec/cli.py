@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --format vllm: each step, what followed the latest earlier occurrence of the "
                              "request's last MAX..MIN tokens in its own text replaces the streams' first drafts "
                              "(e.g. 2:4; default: the streams' drafts only)")
+    export.add_argument("--drafts", type=int, default=None, metavar="K",
+                        help="with --format vllm: the drafts a step the folder asks vLLM for (default: one a stream); "
+                             "with --lookup in the dflash layout up to 2γ, lookup filling the positions past γ")
     export.add_argument("--merge", action="store_true", help="merge LoRA into the base and include it (self-contained)")
     add_device_args(export, device=False, dtype_help="auto: the base model's own dtype (its config's torch_dtype)")
     merge = sub.add_parser("merge", help="fold a peft LoRA adapter into its base (a base for lossless streams)")
@@ -347,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--layout is the vLLM drafter's draft layout: it goes with --format vllm")
     if args.command == "export" and args.format != "vllm" and (args.draft_vocab or args.draft_vocab_from):
         parser.error("--draft-vocab is the vLLM drafter's draft vocabulary: it goes with --format vllm")
+    if args.command == "export" and args.format != "vllm" and args.drafts is not None:
+        parser.error("--drafts is the vLLM drafter's drafts a step: it goes with --format vllm")
     if args.command == "export" and args.format != "vllm" and args.lookup:
         parser.error("--lookup merges lookup drafts into the vLLM drafter's: it goes with --format vllm")
     if args.command == "export" and (args.draft_vocab is None) != (args.draft_vocab_from is None):
@@ -388,7 +393,7 @@ def _run(args) -> int:
 
             target = export_for_vllm(args.checkpoint, args.out, dtype=args.dtype, layout=args.layout or DEFAULT_LAYOUT,
                                      draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from,
-                                     lookup=args.lookup)
+                                     lookup=args.lookup, drafts=args.drafts)
             print(target)
             print("serve it with:", serve_command(target), file=sys.stderr)
         else:

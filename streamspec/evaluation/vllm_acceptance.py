@@ -22,6 +22,12 @@ def named_checkpoints(items: list[str]) -> dict[str, str]:
 
 
 LOOKUP_SUFFIX = "+lookup"  # the row of a checkpoint's drafter with lookup drafts merged (``--lookup``)
+
+
+def lookup_row_name(name: str, drafts: int | None) -> str:
+    """The row of checkpoint `name` with lookup drafts merged: ``NAME+lookup``, or with K drafts a
+    step asked for (``--lookup-drafts``) ``NAME+lookup+KK``."""
+    return f"{name}{LOOKUP_SUFFIX}" + ("" if drafts is None else f"+K{drafts}")
 # lookup drafters run beside the streams (``--peers``): vLLM's n-gram drafter as `streamspec eval` runs it
 PEERS = {"ngram": {"drafter": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": NGRAM_TOKENS},
          "suffix": {"drafter": "suffix"}}
@@ -43,7 +49,7 @@ def acceptance_rows(results: list[dict], checkpoints: dict[str, str]) -> list[di
     """One row a run: tokens/s against plain vLLM at its concurrency, vLLM's mean acceptance length
     and acceptance per draft position, and whether its outputs equal plain vLLM's."""
     plain = {r["concurrency"]: r for r in results if r["drafter"] == "none"}
-    return [{"name": r["name"], "checkpoint": checkpoints.get(r["name"].removesuffix(LOOKUP_SUFFIX)),
+    return [{"name": r["name"], "checkpoint": checkpoints.get(r["name"].partition(LOOKUP_SUFFIX)[0]),
              "concurrency": r["concurrency"],
              "tokens_per_second": round(r["tokens_per_s"], 2),
              "x_vllm": round(r["tokens_per_s"] / plain[r["concurrency"]]["tokens_per_s"], 3),

@@ -23,15 +23,17 @@ context             …, p, (rej.)   main rows: each drafter layer's keys and va
                                    them: lossless, these are the base's own keys and values
 query row 0         p+1            stream 1 of p (the bonus token's id is read by streams that
                                    read the next token, by every stream row of its request)
-query row i (i≥1)   p+1+i          stream i+1 of p (the last row has no stream to be: it runs
-                                   as stream γ again and is never read)
+query row i (i≥1)   p+1+i          stream i+1 of p (rows past γ−1 have no stream to be: they
+                                   run as stream γ again; the last row is never read)
 ==================  =============  ===========================================================
 
 Query row i sits at p+1+i = p+j for stream j = i+1 and, causally, sees the main keys ≤ p and
 query rows 0…i, streams 1…j: the trained pattern, with nothing else in view. Draft k (the token at
 p+1+k, what stream k predicts) is sampled from mask row k, one row after stream k, so the state
 returned for logits at each mask row is the row before's. With K = γ every stream drafts and no
-filler draft is verified; K may be 1…γ.
+filler draft is verified; K may be 1…γ. A folder with lookup drafts (`streamspec.vllm.lookup`)
+may ask for up to 2γ: a lookup hit fills the positions beyond γ, and without one, draft k > γ is
+stream γ's guess read one position further on (rows past γ run as stream γ).
 
 The main hidden state at p, which every stream starts from, is the context row at p of the same
 request: found by its paged-cache slot (the request's block table at p, from the attention
@@ -49,7 +51,7 @@ from vllm.model_executor.models.mistral import MistralDecoderLayer
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from .drafter import StreamsDrafter
-from .format import DFLASH, layout_aux_layers
+from .format import DFLASH, draft_range, layout_aux_layers
 
 
 class DFlashStreamsDrafter(StreamsDrafter):
@@ -80,9 +82,12 @@ class DFlashStreamsDrafter(StreamsDrafter):
         return ones[:count]
 
     def _check_speculative_config(self, spec) -> None:
-        if not 1 <= self.num_drafts <= self.num_streams:
-            raise ValueError(f"num_speculative_tokens must be 1..{self.num_streams} for streams with γ = "
-                             f"{self.num_streams} in the DFlash layout (γ uses every stream), got {self.num_drafts}")
+        least, most = draft_range(self.num_streams, self.layout, bool(self.lookup))
+        if not least <= self.num_drafts <= most:
+            beyond = ("; lookup drafts fill positions beyond γ" if self.lookup
+                      else "; more than γ only with lookup drafts (`streamspec export --lookup`)")
+            raise ValueError(f"num_speculative_tokens must be {least}..{most} for streams with γ = {self.num_streams} "
+                             f"in the DFlash layout (γ uses every stream{beyond}), got {self.num_drafts}")
 
     # -- context: the main rows' keys and values ---------------------------------------------------
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from ..fingerprint import same_fingerprint
 from ..scales import over_rms, rms
-from .format import ALIGNMENT_ENV, DFLASH, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target
+from .format import (ALIGNMENT_ENV, DFLASH, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target,
+                     draft_range)
 from .lookup import install_lookup_hook, parse_lookup
 from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
@@ -145,14 +146,14 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         self.facts = facts
         self.num_streams = int(facts["num_streams"])
         self.num_drafts = spec.num_speculative_tokens
+        # lookup drafts merged into the streams' each step (`streamspec.vllm.lookup`), read by the runner hook
+        self.lookup = parse_lookup(facts.get("lookup"))
         self._check_speculative_config(spec)
         check_schedule(spec.num_speculative_tokens_per_batch_size, self.num_drafts, self.num_streams,
                        least=self.least_scheduled_drafts)
         self.zero_drafts = zero_drafts_mode()
         self.step_drafts: int | None = None  # set by the proposer hook at each step (K')
         install_proposer_hook()
-        # lookup drafts merged into the streams' each step (`streamspec.vllm.lookup`), read by the runner hook
-        self.lookup = parse_lookup(facts.get("lookup"))
         if self.lookup:
             install_lookup_hook()
         self.config.draft_vocab_size = self.config.vocab_size
@@ -210,9 +211,10 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         if not spec.parallel_drafting:
             raise ValueError('the streams drafter drafts all its tokens in one pass: set "parallel_drafting": true '
                              "in --speculative-config")
-        if not 2 <= self.num_drafts <= self.num_streams + 1:
-            raise ValueError(f"num_speculative_tokens must be 2..{self.num_streams + 1} for streams with γ = "
-                             f"{self.num_streams} (γ+1 = {self.num_streams + 1} uses every stream), got {self.num_drafts}")
+        least, most = draft_range(self.num_streams, self.layout, bool(self.lookup))
+        if not least <= self.num_drafts <= most:
+            raise ValueError(f"num_speculative_tokens must be {least}..{most} for streams with γ = "
+                             f"{self.num_streams} (γ+1 = {most} uses every stream), got {self.num_drafts}")
 
     def _make_layer(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         return self.decoder_layer(vllm_config, prefix=prefix, config=self.config)

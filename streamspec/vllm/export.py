@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from . import ARCHITECTURES, architecture
 from .format import (CHECKED, DEFAULT_LAYOUT, DFLASH, DRAFTER_FORMAT, DRAFTER_FORMAT_VERSION, PEAGLE, check_layout,
-                     layout_aux_layers, recommended_drafts, streams_speculative_config)
+                     draft_range, layout_aux_layers, recommended_drafts, streams_speculative_config)
 from .lookup import parse_lookup
 
 CONFIG_FILE = "config.json"
@@ -150,12 +150,15 @@ def check_exportable(stream_config, model_type: str, layout: str = DEFAULT_LAYOU
 
 def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.dtype | None = None,
                     layout: str = DEFAULT_LAYOUT, draft_vocab: int | None = None,
-                    draft_vocab_from: list[str | Path] | None = None, lookup: str | list | None = None) -> Path:
+                    draft_vocab_from: list[str | Path] | None = None, lookup: str | list | None = None,
+                    drafts: int | None = None) -> Path:
     """Write the vLLM drafter folder for a lossless streamed checkpoint into `out`, for `layout`
     (`streamspec.vllm.format.LAYOUTS`); returns it. `draft_vocab` N: drafts among the N ids the
     model writes most often in the distilled sets `draft_vocab_from` (`draft_vocabulary`).
     `lookup` ``"MIN:MAX"``: each step the request's own text is looked up for its last MAX..MIN
     tokens and what followed them replaces the streams' first drafts (`streamspec.vllm.lookup`).
+    `drafts` K: the drafts a step the folder asks vLLM for (default: every stream's,
+    `recommended_drafts`); in the DFlash layout with `lookup`, up to 2γ (`draft_range`).
 
     Serve it with the line `serve_command` prints (docs/serving.md), after ``pip install
     streamspec`` in vLLM's environment."""
@@ -181,12 +184,25 @@ def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.
         config["streamspec"]["draft_vocab_size"] = int(draft_vocab)
     if lookup:
         config["streamspec"]["lookup"] = lookup
+    if drafts is not None:
+        check_drafts(int(drafts), stream_config.num_streams, layout, bool(lookup))
+        config["streamspec"]["num_speculative_tokens"] = int(drafts)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
     (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     check_drafter_folder(target)
     return target
+
+
+def check_drafts(drafts, num_streams: int, layout: str, lookup: bool) -> None:
+    """Raise naming the range when `drafts` is not a number of drafts a step the streams drafter
+    can give in `layout` (`draft_range`)."""
+    least, most = draft_range(num_streams, layout, lookup)
+    if not isinstance(drafts, int) or isinstance(drafts, bool) or not least <= drafts <= most:
+        more = "" if lookup or layout == PEAGLE else " (up to 2γ with lookup drafts, --lookup)"
+        raise ValueError(f"drafts a step must be {least}..{most} for streams with γ = {num_streams} in the {layout} "
+                         f"layout{more}, got {drafts!r}")
 
 
 def check_drafter_folder(folder: str | Path) -> dict:
@@ -221,7 +237,8 @@ def check_drafter_folder(folder: str | Path) -> dict:
             problems.append(f"draft_vocab_size={size} but the draft_vocab tensor is "
                             f"{'missing' if vocab is None else tuple(vocab.shape)} (ascending ids of the vocabulary expected)")
     try:
-        parse_lookup(facts.get("lookup"))
+        lookup = parse_lookup(facts.get("lookup"))
+        check_drafts(facts.get("num_speculative_tokens"), facts["num_streams"], facts.get("layout", PEAGLE), bool(lookup))
     except ValueError as err:
         problems.append(str(err))
     if problems:

@@ -51,10 +51,14 @@ def recommended_drafts(num_streams: int, layout: str = PEAGLE) -> int:
     return num_streams + 1 if layout == PEAGLE else num_streams
 
 
-def draft_range(num_streams: int, layout: str = PEAGLE) -> tuple[int, int]:
+def draft_range(num_streams: int, layout: str = PEAGLE, lookup: bool = False) -> tuple[int, int]:
     """The drafts a step the streams drafter can give (besides 0, no drafting): 2..γ+1 in the
-    P-EAGLE layout (1 would be the filler alone), 1..γ in the DFlash layout."""
-    return (2, num_streams + 1) if check_layout(layout) == PEAGLE else (1, num_streams)
+    P-EAGLE layout (1 would be the filler alone), 1..γ in the DFlash layout, 1..2γ there with
+    lookup drafts (`streamspec.vllm.lookup`: a lookup hit fills the positions beyond the streams';
+    without one they hold stream γ's guess one position further)."""
+    if check_layout(layout) == PEAGLE:
+        return 2, num_streams + 1
+    return 1, 2 * num_streams if lookup else num_streams
 
 
 def check_layout(layout: str) -> str:

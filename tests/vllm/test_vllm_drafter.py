@@ -472,7 +472,8 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     """SmolLM2 with the shipped SQL streams on held-out Spider questions: identical to vLLM without
     speculation one at a time and 8 at once, vLLM's acceptance counters above 1, and the drafts
     equal to streamspec's own streams; the same for the shipped SQL streams for vLLM, which read
-    the bonus token, one at a time; and those with lookup drafts merged, 8 at once."""
+    the bonus token, one at a time; and those with lookup drafts merged and a draft past the
+    streams', 8 at once."""
     from streamspec.assets import default_model_path, load_default_tokenizer
     from streamspec.data.build import prompt_ids
     from streamspec.evaluation.benchmark import held_out_rows
@@ -482,7 +483,9 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     drafter = export_for_vllm("streamspec:smollm2-135m-sql-streams", tmp_path / "drafter")
     reading = export_for_vllm("streamspec:smollm2-135m-sql-vllm-streams", tmp_path / "drafter-vllm")
     log = tmp_path / "log.jsonl"
-    lookup = export_for_vllm("streamspec:smollm2-135m-sql-vllm-streams", tmp_path / "drafter-lookup", lookup="2:4")
+    # with lookup drafts merged, one draft past the streams' (γ + 1 = 4 a step)
+    lookup = export_for_vllm("streamspec:smollm2-135m-sql-vllm-streams", tmp_path / "drafter-lookup", lookup="2:4",
+                             drafts=4)
     lookup_log = tmp_path / "lookup.jsonl"
     spec = {"model": str(default_model_path()), "prompts": prompts, "max_tokens": 48, "warmup": False,
             "runs": [{"drafter": "none"}, {"drafter": "streams", "folder": str(drafter)},
@@ -502,8 +505,8 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     for line in read_log(lookup_log):
         text = line["text"]
         assert any(len(p) < len(text) and text[:len(t)] == t[:len(text)] for p, t in zip(prompts, texts))
-        found = lookup_drafts(np.array(text), 3, 2, 4).tolist()
-        assert line["drafts"][:len(found)] == found
+        found = lookup_drafts(np.array(text), 4, 2, 4).tolist()
+        assert len(line["drafts"]) == 4 and line["drafts"][:len(found)] == found
         merged += bool(found)
     assert merged > 0
     assert looked_up["mean_acceptance_length"] > next_token["mean_acceptance_length"]

@@ -260,7 +260,8 @@ def test_the_layout_comparison_rows():
 def test_the_acceptance_comparison_rows():
     """`eval/vllm_acceptance.py`: checkpoints named on the command line, plain vLLM first at every
     concurrency, each row against plain at its own concurrency, outputs compared with plain's."""
-    from streamspec.evaluation.vllm_acceptance import acceptance_rows, acceptance_runs, acceptance_table, named_checkpoints
+    from streamspec.evaluation.vllm_acceptance import (acceptance_rows, acceptance_runs, acceptance_table, lookup_row_name,
+                                                       named_checkpoints)
 
     checkpoints = named_checkpoints(["a=runs/x/final", "streamspec:smollm2-135m-sql-streams"])
     assert checkpoints == {"a": "runs/x/final", "streamspec:smollm2-135m-sql-streams": "streamspec:smollm2-135m-sql-streams"}
@@ -281,12 +282,15 @@ def test_the_acceptance_comparison_rows():
     table = acceptance_table(rows)
     assert "| a | 1 | 15.0 | 1.50× | 2.000 | 60.0% / 30.0% / 10.0% | yes |" in table and "| NO |" in table
     # vLLM's lookup drafters beside them, after plain; a checkpoint's +lookup row names its checkpoint
-    runs = acceptance_runs({"a": "A", "a+lookup": "AL"}, (1,), ("ngram", "suffix"))
+    # (with K drafts a step asked for, its own row)
+    assert lookup_row_name("a", None) == "a+lookup" and lookup_row_name("a", 4) == "a+lookup+K4"
+    runs = acceptance_runs({"a": "A", "a+lookup": "AL", "a+lookup+K4": "AL4"}, (1,), ("ngram", "suffix"))
     assert [(r["name"], r["drafter"]) for r in runs] == [
-        ("vllm", "none"), ("vllm_ngram", "ngram"), ("vllm_suffix", "suffix"), ("a", "streams"), ("a+lookup", "streams")]
+        ("vllm", "none"), ("vllm_ngram", "ngram"), ("vllm_suffix", "suffix"), ("a", "streams"), ("a+lookup", "streams"),
+        ("a+lookup+K4", "streams")]
     assert runs[1]["num_speculative_tokens"] == runs[1]["prompt_lookup_max"] == 4
     results = [{**r, "tokens_per_s": 10.0, "outputs": [[1]]} for r in runs]
-    assert [r["checkpoint"] for r in acceptance_rows(results, {"a": "A"})] == [None, None, None, "A", "A"]
+    assert [r["checkpoint"] for r in acceptance_rows(results, {"a": "A"})] == [None, None, None, "A", "A", "A"]
     with pytest.raises(ValueError, match="choose among"):
         acceptance_runs({}, (1,), ("eagle",))
 

@@ -109,3 +109,29 @@ def test_a_drafter_folder_with_lookup(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "y"), "--lookup", "2:4"])
     assert "--lookup" in capsys.readouterr().err
+
+
+def test_lookup_lets_a_dflash_folder_ask_for_more_drafts_than_streams(tmp_path, capsys):
+    """Without lookup a DFlash folder drafts 1..γ a step; with it up to 2γ (lookup fills the
+    positions past the streams'); the P-EAGLE layout keeps 2..γ+1; a folder edited past its range
+    is refused."""
+    _, ckpt, _ = streamed_checkpoint(tmp_path, "llama")
+    gamma = check_drafter_folder(export_for_vllm(ckpt, tmp_path / "plain"))["streamspec"]["num_streams"]
+    wide = export_for_vllm(ckpt, tmp_path / "wide", lookup="2:4", drafts=gamma + 1)
+    assert check_drafter_folder(wide)["streamspec"]["num_speculative_tokens"] == gamma + 1
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(tmp_path / "cli"),
+                 "--lookup", "2:4", "--drafts", str(2 * gamma)]) == 0
+    assert check_drafter_folder(tmp_path / "cli")["streamspec"]["num_speculative_tokens"] == 2 * gamma
+    for kwargs in ({"drafts": gamma + 1}, {"drafts": 0}, {"lookup": "2:4", "drafts": 2 * gamma + 1},
+                   {"layout": "peagle", "lookup": "2:4", "drafts": gamma + 2}):
+        with pytest.raises(ValueError, match=r"drafts a step must be \d+\.\.\d+"):
+            export_for_vllm(ckpt, tmp_path / "refused", **kwargs)
+    assert export_for_vllm(ckpt, tmp_path / "peagle", layout="peagle", drafts=2).exists()
+    config = json.loads((wide / "config.json").read_text())
+    del config["streamspec"]["lookup"]  # γ+1 drafts without lookup to fill them
+    (wide / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="up to 2γ with lookup drafts"):
+        check_drafter_folder(wide)
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "y"), "--drafts", "2"])
+    assert "--drafts" in capsys.readouterr().err
