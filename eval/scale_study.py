@@ -4,6 +4,7 @@ each resumable, measure each point's chain on held-out prompts
 
     python eval/scale_study.py --study sql-data --out runs/study-sql
     python eval/scale_study.py --study sql-capacity --out runs/study-sql --points rank-128 full-rank
+    python eval/scale_study.py --study chat-data --out runs/study-chat    # chains on MT-bench's first turns
     # every point reads an activation store built already (the SQL-at-scale run's)
     python eval/scale_study.py --study sql-data --set data.activations_path=runs/store-sql-scale
 
@@ -28,13 +29,15 @@ def main() -> None:
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="recipe overrides every point shares (not the ones the study varies)")
     parser.add_argument("--no-eval", action="store_true", help="train only")
-    parser.add_argument("--task", default="sql", help="the held-out prompts each point is measured on")
+    parser.add_argument("--task", default=None, choices=["sql", "summarize", "chat"],
+                        help="the held-out prompts each point is measured on (default: the study's: sql, or chat's "
+                             "MT-bench first turns for chat-data)")
     parser.add_argument("--limit", type=int, default=30, help="held-out prompts each point is measured on")
     args = parser.parse_args()
     try:
         study, points, runs = train_study(args.study, args.out, args.points, overrides=args.set)
         evals = None if args.no_eval else [
-            evaluate_chain(run / "final", run.parent / f"eval-{point.name}", args.task, args.limit)
+            evaluate_chain(run / "final", run.parent / f"eval-{point.name}", args.task or study.task, args.limit)
             for point, run in zip(points, runs)]
         print(f"{study.about}\n\n{capacity_table(runs, evals)}")
     except (FileNotFoundError, ValueError) as err:

@@ -8,6 +8,7 @@ not trained again; one with a complete checkpoint resumes from it (a study stopp
 any machine with its folders, continues with the same command).
 
     python eval/scale_study.py --study sql-data --out runs/study-sql
+    python eval/scale_study.py --study chat-data --out runs/study-chat
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SQL_SCALE = "recipes/smollm2-135m/sql_streams_scale.yaml"
+CHAT = "recipes/smollm2-135m/chat_streams.yaml"
 # Every point starts from fresh streams (ranks differ from the shipped weights'), at the learning
 # rates the shipped streams started with; one pass over its data
 _FROM_SCRATCH = {"training.init_from": None, "training.learning_rate": 1e-3, "training.stream_learning_rate": 1e-2,
@@ -39,6 +41,7 @@ class Study:
     recipe: str
     points: tuple[Point, ...]
     about: str
+    task: str = "sql"  # whose held-out prompts each point's chain is measured on
 
 
 # one point of both studies (trained once: the same folder): rank 64, Ns 4, 30% of the set
@@ -63,6 +66,13 @@ STUDIES: dict[str, Study] = {
         Point("next-token", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.next_token_input": True}),
     ), "capacity at fixed data (30% of the SQL set, one pass): adapter rank 64 / 128 / 256 / full, Ns 4 / 6, "
        "and the streams reading the next token"),
+    # the chat recipe trains online from fresh streams already; its shares of the whole chat set
+    "chat-data": Study(CHAT, (
+        Point("data-10", {"data.train_fraction": 0.1, "training.report_to": "none"}),
+        Point("data-30", {"data.train_fraction": 0.3, "training.report_to": "none"}),
+        Point("data-100", {"training.report_to": "none"}),
+    ), "data scaling at fixed capacity (rank-64 adapters, Ns 4): 10 / 30 / 100% of the chat set, one pass each; "
+       "held-out chains on MT-bench's first turns", task="chat"),
 }
 
 

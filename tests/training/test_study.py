@@ -58,7 +58,7 @@ def test_a_study_trains_each_point_once_and_resumes_a_stopped_one(tiny_dir, tmp_
 
 
 def test_study_names_and_points_are_checked():
-    with pytest.raises(ValueError, match=r"no study 'nope'; studies: \['sql-capacity', 'sql-data'\]"):
+    with pytest.raises(ValueError, match=r"no study 'nope'; studies: \['chat-data', 'sql-capacity', 'sql-data'\]"):
         study_points("nope")
     with pytest.raises(ValueError, match=r"no point\(s\) \['rank-9'\]"):
         study_points("sql-capacity", ["rank-9"])
@@ -75,7 +75,9 @@ def test_study_names_and_points_are_checked():
         point_overrides(shared[0], Path("runs/x"), ["data.train_fraction=1.0"])
     with pytest.raises(ValueError, match="an override is KEY=VALUE"):
         train_study("sql-data", Path("runs/x"), overrides=["data.activations_path"])
-    for study in (capacity, data):
+    chat, _ = study_points("chat-data")
+    assert chat.task == "chat" and data.task == capacity.task == "sql"
+    for study in (capacity, data, chat):
         for point in study.points:  # every point is a valid recipe
             recipe = load_recipe(study.recipe, point_overrides(point, Path("runs/x")))
             assert recipe.training.output_dir == f"runs/x/{point.name}" and recipe.training.init_from is None
