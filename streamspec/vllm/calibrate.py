@@ -54,6 +54,23 @@ def drafter_folder(source: str, out: Path) -> tuple[Path, dict]:
     return folder, json.loads((folder / "config.json").read_text(encoding="utf-8"))["streamspec"]
 
 
+def calibration_ks(facts: dict, ks=None) -> list[int]:
+    """The drafts a step to measure for a drafter folder (`facts`: its config's ``streamspec``
+    section): `ks` checked against what the folder can draft (`draft_range`; a folder with lookup
+    drafts may draft past γ in the DFlash layout), or by default 0 (off) and every K from the
+    fewest up to what the folder asks for."""
+    streams, layout = int(facts["num_streams"]), facts.get("layout", PEAGLE)
+    least, most = draft_range(streams, layout, bool(facts.get("lookup")))
+    if ks is None:
+        return [0] + list(range(least, min(most, int(facts.get("num_speculative_tokens") or most)) + 1))
+    ks = int_list(",".join(map(str, ks)), "--ks")
+    bad = [k for k in ks if 0 < k < least or k > most]
+    if bad:
+        raise ValueError(f"--ks {bad}: in the {layout} layout the streams drafter drafts 0 (off) or {least}..{most} "
+                         f"a step (γ = {streams}{', with lookup drafts' if facts.get('lookup') else ''})")
+    return ks
+
+
 def choose_schedule(rows: list[dict], margin: float = 0.0) -> tuple[dict[int, int], list[list[int]]]:
     """Per measured batch size the fastest K (0 unless drafting beats plain vLLM by more than
     `margin`, a fraction), and vLLM's schedule for it: ``[[first, last, K], ...]``, each measured
@@ -183,13 +200,8 @@ def calibrate(checkpoint: str, out: str | Path, model: str | None = None, task: 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     drafter, facts = drafter_folder(checkpoint, out)
-    streams, layout = int(facts["num_streams"]), facts.get("layout", PEAGLE)
-    least, most = draft_range(streams, layout)
-    ks = int_list(",".join(map(str, ks)), "--ks") if ks is not None else [0] + list(range(least, most + 1))
-    bad = [k for k in ks if 0 < k < least or k > most]
-    if bad:
-        raise ValueError(f"--ks {bad}: in the {layout} layout the streams drafter drafts 0 (off) or {least}..{most} "
-                         f"a step (γ = {streams})")
+    layout = facts.get("layout", PEAGLE)
+    ks = calibration_ks(facts, ks)
     base = builtin_model_path(model or facts.get("base_name") or "")
     if not base:
         raise ValueError("the drafter folder names no base model: give it with --model")

@@ -135,3 +135,21 @@ def test_lookup_lets_a_dflash_folder_ask_for_more_drafts_than_streams(tmp_path, 
     with pytest.raises(SystemExit):
         main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "y"), "--drafts", "2"])
     assert "--drafts" in capsys.readouterr().err
+
+
+def test_calibration_measures_a_lookup_folder_past_gamma(tmp_path):
+    """`streamspec vllm-calibrate` on a folder with lookup drafts: by default every K up to what the
+    folder asks for, and any K up to 2γ when asked; without lookup, past γ is refused."""
+    from streamspec.vllm.calibrate import calibration_ks
+
+    _, ckpt, _ = streamed_checkpoint(tmp_path, "llama")
+    wide = check_drafter_folder(export_for_vllm(ckpt, tmp_path / "wide", lookup="2:4", drafts=4))["streamspec"]
+    plain = check_drafter_folder(export_for_vllm(ckpt, tmp_path / "plain"))["streamspec"]
+    gamma = plain["num_streams"]
+    assert gamma == 3  # the figures below are γ's
+    assert calibration_ks(wide) == [0, 1, 2, 3, 4] and calibration_ks(plain) == [0, 1, 2, 3]
+    assert calibration_ks(wide, [0, 6]) == [0, 6]
+    with pytest.raises(ValueError, match=r"--ks \[7\]: .* 0 \(off\) or 1\.\.6 a step \(γ = 3, with lookup drafts\)"):
+        calibration_ks(wide, [0, 7])
+    with pytest.raises(ValueError, match=r"--ks \[4\]: .* 0 \(off\) or 1\.\.3 a step \(γ = 3\)"):
+        calibration_ks(plain, [0, 4])
