@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"task": args.task, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-                                        "draft_vocab": args.draft_vocab,
-                                        "lookup": args.lookup, "lookup_drafts": args.lookup_drafts, "rows": rows}, indent=2) + "\n")
+                                        "draft_vocab": args.draft_vocab, "lookup": args.lookup,
+                                        "lookup_drafts": args.lookup_drafts, "rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -22,15 +22,15 @@ def named_checkpoints(items: list[str]) -> dict[str, str]:
 
 
 LOOKUP_SUFFIX = "+lookup"  # the row of a checkpoint's drafter with lookup drafts merged (``--lookup``)
+# lookup drafters run beside the streams (``--peers``): vLLM's n-gram drafter as `streamspec eval` runs it
+PEERS = {"ngram": {"drafter": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": NGRAM_TOKENS},
+         "suffix": {"drafter": "suffix"}}
 
 
 def lookup_row_name(name: str, drafts: int | None) -> str:
     """The row of checkpoint `name` with lookup drafts merged: ``NAME+lookup``, or with K drafts a
     step asked for (``--lookup-drafts``) ``NAME+lookup+KK``."""
     return f"{name}{LOOKUP_SUFFIX}" + ("" if drafts is None else f"+K{drafts}")
-# lookup drafters run beside the streams (``--peers``): vLLM's n-gram drafter as `streamspec eval` runs it
-PEERS = {"ngram": {"drafter": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": NGRAM_TOKENS},
-         "suffix": {"drafter": "suffix"}}
 
 
 def acceptance_runs(folders: dict[str, str], concurrency: tuple[int, ...], peers: tuple[str, ...] = ()) -> list[dict]:

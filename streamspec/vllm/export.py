@@ -238,7 +238,8 @@ def check_drafter_folder(folder: str | Path) -> dict:
                             f"{'missing' if vocab is None else tuple(vocab.shape)} (ascending ids of the vocabulary expected)")
     try:
         lookup = parse_lookup(facts.get("lookup"))
-        check_drafts(facts.get("num_speculative_tokens"), facts["num_streams"], facts.get("layout", PEAGLE), bool(lookup))
+        check_drafts(facts.get("num_speculative_tokens"), facts["num_streams"], facts.get("layout", PEAGLE),
+                     bool(lookup))
     except ValueError as err:
         problems.append(str(err))
     if problems:

@@ -260,8 +260,8 @@ def test_the_layout_comparison_rows():
 def test_the_acceptance_comparison_rows():
     """`eval/vllm_acceptance.py`: checkpoints named on the command line, plain vLLM first at every
     concurrency, each row against plain at its own concurrency, outputs compared with plain's."""
-    from streamspec.evaluation.vllm_acceptance import (acceptance_rows, acceptance_runs, acceptance_table, lookup_row_name,
-                                                       named_checkpoints)
+    from streamspec.evaluation.vllm_acceptance import (acceptance_rows, acceptance_runs, acceptance_table,
+                                                       lookup_row_name, named_checkpoints)
 
     checkpoints = named_checkpoints(["a=runs/x/final", "streamspec:smollm2-135m-sql-streams"])
     assert checkpoints == {"a": "runs/x/final", "streamspec:smollm2-135m-sql-streams": "streamspec:smollm2-135m-sql-streams"}
