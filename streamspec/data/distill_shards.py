@@ -10,7 +10,8 @@ Shards are gzip-compressed JSONL (about a fifth of the text: a set of millions o
 enough to keep beside the recipes that train on it); a shard written uncompressed
 (``shard-00000.jsonl``, as earlier versions wrote them) reads the same. A shard is written whole
 (a temporary file renamed into place), so a shard file that exists is complete; a run that stops
-resumes at the first missing shard, and a run with other settings into the same folder is refused. `read_distilled` (`streamspec.data.distill`) reads the folder back.
+resumes at the first missing shard, and a run with other settings into the same folder is refused.
+`read_distilled` (`streamspec.data.distill`) reads the folder back.
 
 A conversation is a prompt record of `streamspec.data.sources` (its user turns), or one row of a
 built-in task (one turn). Turn k's prompt is the user turns 1..k with the model's *own* replies

@@ -72,13 +72,15 @@ def merge_lookup(drafts: Any, texts: list[np.ndarray | None], min_n: int, max_n:
     taken = [i for i, f in enumerate(found) if f is not None and f.size]
     if not taken:
         return 0
-    values = np.zeros((len(taken), k), dtype=np.int64)
-    keep = np.ones((len(taken), k), dtype=bool)
+    # one host array, one copy: [request index | K lookup tokens | K keep-the-stream's-draft flags]
+    packed = np.zeros((len(taken), 2 * k + 1), dtype=np.int64)
+    packed[:, 0] = taken
+    packed[:, k + 1:] = 1
     for row, i in enumerate(taken):
-        values[row, :found[i].size], keep[row, :found[i].size] = found[i], False
-    index = torch.as_tensor(taken, device=drafts.device)
-    rows = drafts.index_select(0, index)
-    merged = torch.where(torch.as_tensor(keep).to(drafts.device), rows, torch.as_tensor(values).to(drafts))
+        packed[row, 1:1 + found[i].size], packed[row, k + 1:k + 1 + found[i].size] = found[i], 0
+    packed = torch.as_tensor(packed).to(drafts.device)
+    index = packed[:, 0]
+    merged = torch.where(packed[:, k + 1:].bool(), drafts.index_select(0, index), packed[:, 1:k + 1].to(drafts.dtype))
     drafts.index_copy_(0, index, merged)
     return len(taken)
 
