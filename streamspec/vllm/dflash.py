@@ -51,7 +51,7 @@ from vllm.model_executor.models.mistral import MistralDecoderLayer
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 
 from .drafter import StreamsDrafter
-from .format import DFLASH, draft_range, layout_aux_layers
+from .format import DFLASH, layout_aux_layers
 
 
 class DFlashStreamsDrafter(StreamsDrafter):
@@ -82,12 +82,7 @@ class DFlashStreamsDrafter(StreamsDrafter):
         return ones[:count]
 
     def _check_speculative_config(self, spec) -> None:
-        least, most = draft_range(self.num_streams, self.layout, bool(self.lookup))
-        if not least <= self.num_drafts <= most:
-            beyond = ("; lookup drafts fill positions beyond γ" if self.lookup
-                      else "; more than γ only with lookup drafts (`streamspec export --lookup`)")
-            raise ValueError(f"num_speculative_tokens must be {least}..{most} for streams with γ = {self.num_streams} "
-                             f"in the DFlash layout (γ uses every stream{beyond}), got {self.num_drafts}")
+        self._check_draft_count()  # no parallel-drafting flag: the DFlash proposer drafts in one pass
 
     # -- context: the main rows' keys and values ---------------------------------------------------
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:

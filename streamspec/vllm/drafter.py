@@ -55,7 +55,7 @@ from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
 from ..fingerprint import same_fingerprint
 from ..scales import over_rms, rms
 from .format import (ALIGNMENT_ENV, DFLASH, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target,
-                     draft_range)
+                     draft_range, recommended_drafts)
 from .lookup import install_lookup_hook, parse_lookup
 from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
@@ -211,10 +211,17 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         if not spec.parallel_drafting:
             raise ValueError('the streams drafter drafts all its tokens in one pass: set "parallel_drafting": true '
                              "in --speculative-config")
+        self._check_draft_count()
+
+    def _check_draft_count(self) -> None:
+        """Refuse a ``num_speculative_tokens`` this layout cannot draft (`draft_range`)."""
         least, most = draft_range(self.num_streams, self.layout, bool(self.lookup))
         if not least <= self.num_drafts <= most:
-            raise ValueError(f"num_speculative_tokens must be {least}..{most} for streams with γ = "
-                             f"{self.num_streams} (γ+1 = {most} uses every stream), got {self.num_drafts}")
+            beyond = ("" if self.layout == PEAGLE else "; lookup drafts fill positions past γ" if self.lookup
+                      else "; past γ only with lookup drafts (`streamspec export --lookup`)")
+            every = recommended_drafts(self.num_streams, self.layout)
+            raise ValueError(f"num_speculative_tokens must be {least}..{most} for streams with γ = {self.num_streams} "
+                             f"in the {self.layout} layout (every stream drafts at {every}{beyond}), got {self.num_drafts}")
 
     def _make_layer(self, vllm_config: VllmConfig, prefix: str) -> nn.Module:
         return self.decoder_layer(vllm_config, prefix=prefix, config=self.config)
