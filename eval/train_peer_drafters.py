@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None, help="training's wall-clock budget")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-rows", type=int, default=None, help="only the first N rows (after a seeded shuffle)")
+    parser.add_argument("--in-order", action="store_true",
+                        help="no shuffle: --max-rows takes the sets' first N rows, the ones a streams recipe's "
+                             "data.max_train_examples: N trains on")
     parser.add_argument("--max-length", type=int, default=MAX_LENGTH, help="longer rows are dropped")
     parser.add_argument("--total-seq-len", type=int, default=2048, help="tokens packed into one step")
     parser.add_argument("--draft-vocab-size", type=int, default=8192,
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a checkpoint every N epochs (below 1: within an epoch, for --resume)")
     args = parser.parse_args(argv)
     examples, data = distilled_examples(args.model, args.distilled, max_length=args.max_length,
-                                        max_rows=args.max_rows, seed=args.seed)
+                                        max_rows=args.max_rows, seed=args.seed, shuffle=not args.in_order)
     data["distilled"] = [Path(d).name for d in args.distilled]
     print(f"{data['used']} rows ({data['distilled_rows']} distilled, {data['dropped_too_long']} over "
           f"{args.max_length} tokens dropped)")

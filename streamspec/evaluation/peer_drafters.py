@@ -27,10 +27,12 @@ MAX_LENGTH = 768  # the SQL recipes' data.max_length: longer rows are dropped, a
 
 
 def distilled_examples(model: str, distilled: str | Path | list, max_length: int = MAX_LENGTH,
-                       max_rows: int | None = None, seed: int = 0) -> tuple[list[dict], dict]:
+                       max_rows: int | None = None, seed: int = 0, shuffle: bool = True) -> tuple[list[dict], dict]:
     """The distilled set's rows (or several sets', in order) as ``{"input_ids", "loss_mask"}``
     (loss on the completion), with the counts: rows read, kept, dropped for length. `max_rows`:
-    the first N after a seeded shuffle (a set is ordered by source)."""
+    the first N after a seeded shuffle (a set is ordered by source), or with ``shuffle=False`` the
+    first N in the sets' own order (the rows a streams recipe's ``data.max_train_examples: N``
+    trains on)."""
     from transformers import AutoTokenizer
 
     from ..assets import builtin_model_path
@@ -41,7 +43,8 @@ def distilled_examples(model: str, distilled: str | Path | list, max_length: int
     if not sets:
         raise ValueError("name at least one distilled set")
     rows = [row for one in sets for row in read_distilled(one)]
-    random.Random(seed).shuffle(rows)
+    if shuffle:
+        random.Random(seed).shuffle(rows)
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_path(model))
     examples, stats = tokenize_rows(rows, tokenizer, max_length=max_length, overflow="drop")
     if max_rows is not None:

@@ -34,6 +34,12 @@ def test_distilled_rows_become_the_streams_token_rows(tmp_path):
     # the first N after a seeded shuffle
     again, _ = distilled_examples(DEFAULT_MODEL_ID, path, max_length=128, max_rows=1, seed=0)
     assert again == examples[:1]
+    # in the set's own order, whatever the seed: the first kept row of the file (the rows
+    # data.max_train_examples takes); seed 1 shuffles the third row before the first
+    shuffled, _ = distilled_examples(DEFAULT_MODEL_ID, path, max_length=128, max_rows=1, seed=1)
+    first, _ = distilled_examples(DEFAULT_MODEL_ID, path, max_length=128, max_rows=1, seed=1, shuffle=False)
+    assert shuffled[0]["input_ids"][-3:] == rows[2]["completion_ids"]
+    assert first[0]["input_ids"][-4:] == rows[0]["completion_ids"]
 
 
 def test_training_refuses_what_it_cannot_use(tmp_path):
