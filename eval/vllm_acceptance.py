@@ -5,7 +5,8 @@ tokens/s and whether its outputs equal plain vLLM's, and writes them as JSON. ``
 adds each checkpoint again with lookup drafts merged into its drafts (row NAME+lookup;
 `streamspec.vllm.lookup`), ``--lookup-drafts K [K ...]`` such a row for each K drafts a step
 (NAME+lookup+KK; up to 2γ, lookup filling the positions past the streams'), ``--peers ngram
-suffix`` vLLM's own lookup drafters beside them.
+suffix`` vLLM's own lookup drafters beside them, ``--eagle3 FOLDER`` / ``--peagle FOLDER`` EAGLE-3 and
+P-EAGLE drafters trained by speculators (``eval/train_peer_drafters.py``) beside them.
 
     python eval/vllm_acceptance.py --task sql --limit 32 --out runs/vllm-acceptance.json \\
         --draft-vocab 8192 --draft-vocab-from distilled/sql distilled/sql-styles distilled/sql-self-instruct \\
@@ -29,6 +30,7 @@ from streamspec.evaluation.vllm_acceptance import (PEERS, acceptance_rows, accep
                                                    lookup_row_name, named_checkpoints)
 from streamspec.evaluation.vllm_peers import check_concurrency, vllm_base
 from streamspec.vllm.client import check_suffix_decoding, run_vllm
+from streamspec.vllm.run import check_drafter_folder
 from streamspec.vllm.export import export_for_vllm
 
 
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                              "up to 2γ, lookup filling the positions past the streams')")
     parser.add_argument("--peers", nargs="+", default=[], choices=sorted(PEERS),
                         help="vLLM's lookup drafters in the same process (n-gram as `streamspec eval` runs it; suffix)")
+    parser.add_argument("--eagle3", default=None, metavar="FOLDER",
+                        help="the vllm_eagle3 row: an EAGLE-3 drafter trained by speculators (eval/train_peer_drafters.py)")
+    parser.add_argument("--peagle", default=None, metavar="FOLDER", help="the vllm_peagle row: a P-EAGLE drafter, likewise")
     parser.add_argument("--base", default=DEFAULT_MODEL_ID, help="the served model")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file the rows go to")
     args = parser.parse_args(argv)
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--lookup-drafts gives the lookup rows their drafts a step: it goes with --lookup MIN:MAX")
     try:
         checkpoints = named_checkpoints(args.checkpoints)
+        trained = {method: check_drafter_folder(method, folder)
+                   for method, folder in (("eagle3", args.eagle3), ("peagle", args.peagle)) if folder}
         concurrency = check_concurrency(args.concurrency)
         tokenizer = load_tokenizer(args.base)
         prompts = [prompt_ids(tokenizer, row)[0].tolist() for row in held_out_rows(args.task)[:args.limit]]
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             if "suffix" in args.peers:
                 check_suffix_decoding()  # raises naming the fix (`make vllm`) before any engine starts
             spec = {"model": vllm_base(args.base), "prompts": prompts, "max_tokens": args.max_new_tokens,
-                    "dtype": "float32", "runs": acceptance_runs(folders, concurrency, tuple(args.peers))}
+                    "dtype": "float32", "runs": acceptance_runs(folders, concurrency, tuple(args.peers), trained)}
             results = run_vllm(spec)["runs"]
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         sys.exit(f"vllm_acceptance: error: {err}")

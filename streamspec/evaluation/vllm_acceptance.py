@@ -33,14 +33,23 @@ def lookup_row_name(name: str, drafts: int | None) -> str:
     return f"{name}{LOOKUP_SUFFIX}" + ("" if drafts is None else f"+K{drafts}")
 
 
-def acceptance_runs(folders: dict[str, str], concurrency: tuple[int, ...], peers: tuple[str, ...] = ()) -> list[dict]:
-    """`streamspec.vllm.run` runs: plain vLLM, the `peers` (`PEERS`, named ``vllm_NAME``), then each
-    drafter folder, each at every concurrency."""
+def acceptance_runs(folders: dict[str, str], concurrency: tuple[int, ...], peers: tuple[str, ...] = (),
+                    trained: dict[str, str] | None = None) -> list[dict]:
+    """`streamspec.vllm.run` runs: plain vLLM, the `peers` (`PEERS`, named ``vllm_NAME``), the
+    `trained` peer drafters (``{"eagle3": FOLDER, "peagle": FOLDER}``: speculators' folders, named
+    ``vllm_eagle3`` / ``vllm_peagle``), then each drafter folder, each at every concurrency."""
+    from ..vllm.run import PEER_DRAFTERS
+
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers {unknown}: choose among {sorted(PEERS)}")
+    unknown = sorted(set(trained or {}) - set(PEER_DRAFTERS))
+    if unknown:
+        raise ValueError(f"trained drafters {unknown}: choose among {sorted(PEER_DRAFTERS)}")
     runs = [{"drafter": "none", "name": "vllm", "concurrency": n} for n in concurrency]
     runs += [{**PEERS[peer], "name": f"vllm_{peer}", "concurrency": n} for peer in peers for n in concurrency]
+    runs += [{"drafter": method, "folder": str(folder), "name": f"vllm_{method}", "concurrency": n}
+             for method, folder in (trained or {}).items() for n in concurrency]
     return runs + [{"drafter": "streams", "folder": str(folder), "name": name, "concurrency": n}
                    for name, folder in folders.items() for n in concurrency]
 

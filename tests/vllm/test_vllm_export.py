@@ -293,6 +293,15 @@ def test_the_acceptance_comparison_rows():
     assert [r["checkpoint"] for r in acceptance_rows(results, {"a": "A"})] == [None, None, None, "A", "A", "A"]
     with pytest.raises(ValueError, match="choose among"):
         acceptance_runs({}, (1,), ("eagle",))
+    # trained peers (speculators' folders) after vLLM's lookup drafters, before the streams
+    runs = acceptance_runs({"a": "A"}, (1, 8), ("ngram",), {"eagle3": "E", "peagle": "P"})
+    assert [(r["name"], r["drafter"], r.get("folder"), r["concurrency"]) for r in runs] == [
+        ("vllm", "none", None, 1), ("vllm", "none", None, 8), ("vllm_ngram", "ngram", None, 1),
+        ("vllm_ngram", "ngram", None, 8), ("vllm_eagle3", "eagle3", "E", 1), ("vllm_eagle3", "eagle3", "E", 8),
+        ("vllm_peagle", "peagle", "P", 1), ("vllm_peagle", "peagle", "P", 8), ("a", "streams", "A", 1),
+        ("a", "streams", "A", 8)]
+    with pytest.raises(ValueError, match="trained drafters \\['medusa'\\]: choose among"):
+        acceptance_runs({}, (1,), (), {"medusa": "M"})
 
 
 def test_a_draft_vocabulary_variant_is_its_own_row():
