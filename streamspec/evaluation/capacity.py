@@ -83,7 +83,7 @@ def run_rows(run: Path, eval_folder: Path | None = None) -> list[str]:
     evaluated = held_out(eval_folder, bool(recipe.get("medusa"))) if eval_folder is not None else None
     validation = summary.get("validation") or []
     drafts = sorted({k[len("eval_"):-len("_top1")] for e in validation for k in e
-                     if k.endswith("_top1") and not k.startswith(("eval_main", "eval_early"))})
+                     if k.endswith("_top1") and not k.startswith(("eval_main", "eval_early", "eval_chain"))})
     added = f"{params:,}" if params is not None else "–"
     time = f"{summary['wall_seconds']:.0f} s total, {summary['seconds_per_step']:.2f} s/step"
     out = []

@@ -12,7 +12,7 @@ from transformers.utils import ModelOutput
 
 from ..arch import sliding_window
 from .layout import carrying_positions, causal, last_real_positions, main_allowed, position_ids_from_mask, stream_slots
-from .loss import cross_entropy_and_top1
+from .loss import cross_entropy_and_hits
 from .objective import check_activations, loss_terms, offline_total_loss, stored_main_counts, total_loss
 from .prefix import KVPrefix
 
@@ -37,6 +37,19 @@ class StreamedOutput(ModelOutput):
     stream_logits: torch.Tensor | None = None
     early_exit_logits: torch.Tensor | None = None
     stream_mask: torch.Tensor | None = None
+
+
+def chain_counts(streams_right: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, int]:
+    """``chain_j_correct`` / ``chain_j_count`` for j ≥ 2 from each stream's (right, has a target)
+    masks: of the positions where streams 1..j all have a target, those where all are right."""
+    sums: dict[str, int] = {}
+    if not streams_right:
+        return sums
+    right, keep = streams_right[0]
+    for j, (right_j, keep_j) in enumerate(streams_right[1:], start=2):
+        right, keep = right & right_j, keep & keep_j
+        sums.update({f"chain_{j}_correct": int((right & keep).sum()), f"chain_{j}_count": int(keep.sum())})
+    return sums
 
 
 class TrainingForward:
@@ -102,7 +115,9 @@ class TrainingForward:
     ) -> dict[str, float]:
         """Sums for validation, per term (``main``, ``stream_j``, ``early_exit``): ``{term}_loss_sum``,
         ``{term}_correct`` (top-1 equals the target; for stream j the token at t+1+j) and
-        ``{term}_count``. Needs labels; never builds the full logits."""
+        ``{term}_count``; and for j ≥ 2 ``chain_j_correct`` / ``chain_j_count``: positions where
+        streams 1..j are all right, of those where all have a target (what a chain's draft j is
+        accepted at when decoding this text). Needs labels; never builds the full logits."""
         if labels is None:
             raise ValueError("evaluate_counts needs labels")
         head = self.hf_model.get_output_embeddings()
@@ -114,10 +129,16 @@ class TrainingForward:
         else:
             lower, main, streams, index, valid, _, labels = self._hidden(input_ids, attention_mask, labels)
             terms = loss_terms(self, lower, main, streams, index, valid, labels)
+        streams_right = []  # per stream: (right, has a target), each slot-shaped
         for name, hidden, target, _, transform in terms:
             keep = target != -100
-            loss_sum, correct = cross_entropy_and_top1(head, transform(hidden[keep]), target[keep], chunk_size)
-            sums.update({f"{name}_loss_sum": loss_sum, f"{name}_correct": correct, f"{name}_count": int(keep.sum())})
+            loss_sum, hits = cross_entropy_and_hits(head, transform(hidden[keep]), target[keep], chunk_size)
+            sums.update({f"{name}_loss_sum": loss_sum, f"{name}_correct": int(hits.sum()), f"{name}_count": int(keep.sum())})
+            if name.startswith("stream_"):
+                right = torch.zeros_like(keep)
+                right[keep] = hits
+                streams_right.append((right, keep))
+        sums.update(chain_counts(streams_right))
         return sums
 
     def _hidden(self, input_ids, attention_mask, labels, streams_at: str = "all"):

@@ -132,12 +132,19 @@ def weighted_cross_entropy(
 
 
 @torch.no_grad()
-def cross_entropy_and_top1(head, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = 256) -> tuple[float, int]:
-    """Summed CE and the number of rows whose top-1 prediction equals the target, chunk by chunk."""
-    loss_sum, correct = 0.0, 0
+def cross_entropy_and_hits(head, hidden: torch.Tensor, targets: torch.Tensor,
+                           chunk_size: int = 256) -> tuple[float, torch.Tensor]:
+    """Summed CE and, per row, whether its top-1 prediction equals the target, chunk by chunk."""
+    loss_sum, hits = 0.0, []
     for start in range(0, hidden.shape[0], chunk_size):
         logits = head(hidden[start : start + chunk_size]).float()
         y = targets[start : start + chunk_size]
         loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(-1) == y).sum())
-    return loss_sum, correct
+        hits.append(logits.argmax(-1) == y)
+    return loss_sum, torch.cat(hits) if hits else targets.new_zeros(0, dtype=torch.bool)
+
+
+def cross_entropy_and_top1(head, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = 256) -> tuple[float, int]:
+    """Summed CE and the number of rows whose top-1 prediction equals the target, chunk by chunk."""
+    loss_sum, hits = cross_entropy_and_hits(head, hidden, targets, chunk_size)
+    return loss_sum, int(hits.sum())

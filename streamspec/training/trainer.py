@@ -6,8 +6,9 @@ What streamspec adds:
 - `build_model` (streams, LoRA, lossless freezing from the recipe) and `build_datasets`
   (`streamspec.training.build`);
 - `StreamTrainer`: logs each loss part and tokens/s; validation reports the main loss and the
-  top-1 accuracy of every stream (how often stream j's argmax is the token t+1+j, which predicts
-  decoding speed); checkpoints are streamed checkpoints (only the new weights and the LoRA
+  top-1 accuracy of every stream (how often stream j's argmax is the token t+1+j) and of the
+  chain (``chain_j``: streams 1..j all right, the share of passes a chain's draft j is accepted
+  in when decoding this text, which predicts decoding speed); checkpoints are streamed checkpoints (only the new weights and the LoRA
   adapter), which `streamspec export` and `load_streamed` read and resume reloads strictly;
 - `run_training`: the whole job, ending with ``<output_dir>/final`` and ``training_summary.json``.
 """
@@ -212,12 +213,14 @@ def evaluation_counts(model, batch: dict[str, torch.Tensor]) -> dict[str, float]
 
 
 def summarize_counts(sums: dict[str, float]) -> dict[str, float]:
-    """``loss`` (main), ``{term}_loss`` and ``{term}_top1`` from `evaluation_counts` sums."""
+    """``loss`` (main), ``{term}_loss`` and ``{term}_top1`` from `evaluation_counts` sums (a term
+    without a loss, ``chain_j``, has its top-1 only)."""
     metrics: dict[str, float] = {}
     terms = sorted({k.rsplit("_", 2)[0] if k.endswith("_loss_sum") else k.rsplit("_", 1)[0] for k in sums})
     for term in terms:
         count = max(sums.get(f"{term}_count", 0), 1)
-        metrics[f"{term}_loss"] = round(sums[f"{term}_loss_sum"] / count, 4)
+        if f"{term}_loss_sum" in sums:
+            metrics[f"{term}_loss"] = round(sums[f"{term}_loss_sum"] / count, 4)
         metrics[f"{term}_top1"] = round(sums[f"{term}_correct"] / count, 4)
     metrics["loss"] = metrics["main_loss"]
     return metrics

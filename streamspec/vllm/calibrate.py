@@ -23,6 +23,9 @@ from .client import VLLMRunError, vllm_python
 from .format import PEAGLE, draft_range, streams_speculative_config
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# steady: b requests decoding past their end, no prefix caching (the pass costs at a fixed batch
+# size); serving: prompts in the prefix cache, each request ending at its end of sequence
+WORKLOADS = ("steady", "serving")
 QUICK = {"batch_sizes": (1, 2), "max_tokens": 8, "repeats": 1, "limit": 2}
 
 
@@ -185,7 +188,7 @@ def run_measure(spec: dict, log: Path, python: str | None = None, show_progress:
 def calibrate(checkpoint: str, out: str | Path, model: str | None = None, task: str = "sql",
               prompts_file: str | None = None, limit: int = 8, batch_sizes=DEFAULT_BATCH_SIZES, ks=None,
               max_tokens: int = 48, repeats: int = 2, margin: float = 0.03, max_model_len: int | None = None,
-              python: str | None = None, show_progress: bool = True) -> dict:
+              workload: str = "steady", python: str | None = None, show_progress: bool = True) -> dict:
     """Measure, choose and write (see the module docstring). Returns ``{"speculative_config",
     "picks", "table", "measured", "files"}``; writes ``speculative_config.json`` and
     ``calibration.json`` into `out` (and ``drafter/`` when `checkpoint` is not a drafter folder)."""
@@ -195,6 +198,8 @@ def calibrate(checkpoint: str, out: str | Path, model: str | None = None, task: 
         raise ValueError(f"--limit, --max-new-tokens and --repeats must be >= 1, got {limit}, {max_tokens}, {repeats}")
     if margin < 0:
         raise ValueError(f"--margin must be >= 0 (a fraction of plain vLLM's tokens/s), got {margin}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     sizes = int_list(",".join(map(str, batch_sizes)), "--batch-sizes", least=1)
     vllm_python(python)  # before any work: raises naming `make vllm`
     out = Path(out)
@@ -208,7 +213,7 @@ def calibrate(checkpoint: str, out: str | Path, model: str | None = None, task: 
     prompts = read_prompts(base, task, prompts_file, limit)
     spec = {"model": str(base), "drafter": str(drafter), "layout": layout, "prompts": prompts,
             "batch_sizes": sizes, "ks": ks, "max_tokens": max_tokens, "repeats": repeats,
-            "max_model_len": max_model_len}
+            "max_model_len": max_model_len, "serving": workload == "serving"}
     measured = run_measure({**spec, "margin": margin}, out / "calibrate.log", python, show_progress)
     picks = {int(b): k for b, k in measured["picks"].items()}
     config = speculative_config(drafter, measured["schedule"], layout)
@@ -216,7 +221,7 @@ def calibrate(checkpoint: str, out: str | Path, model: str | None = None, task: 
     (out / "speculative_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
     record = {"speculative_config": config, "picks": {str(b): k for b, k in picks.items()}, "measured": measured["rows"],
               "schedule_check": measured["schedule_check"], "settings": {k: spec[k] for k in ("model", "drafter", "batch_sizes", "ks", "max_tokens", "repeats")}
-              | {"prompts": len(prompts), "margin": margin, "task": task, "prompts_file": prompts_file}}
+              | {"prompts": len(prompts), "margin": margin, "task": task, "prompts_file": prompts_file, "workload": workload}}
     (out / "calibration.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return {"speculative_config": config, "picks": picks, "table": table, "measured": measured, "model": str(base),
             "files": [str(out / "speculative_config.json"), str(out / "calibration.json")]}
@@ -244,6 +249,11 @@ def add_command(sub) -> None:
     cal.add_argument("--margin", type=float, default=0.03,
                      help="draft at a batch size only when that beats plain vLLM by more than this fraction")
     cal.add_argument("--max-model-len", type=int, default=None)
+    cal.add_argument("--workload", default="steady", choices=WORKLOADS,
+                     help="steady: each batch size held by requests decoding --max-new-tokens past their end, no "
+                          "prefix caching (what a pass costs); serving: the prompts in vLLM's prefix cache and each "
+                          "request ending at its end of sequence, as a server's bursts of requests with shared "
+                          "schemas or system prompts (give --max-new-tokens near your replies' length)")
     cal.add_argument("--quick", action="store_true",
                      help="a smoke run: batch sizes 1,2, 2 prompts, 8 tokens, 1 round (unless given)")
     cal.add_argument("--out", default="runs/vllm-calibrate",
@@ -262,7 +272,8 @@ def run_command(args) -> int:
     result = calibrate(args.checkpoint, args.out, model=args.model, task=args.task, prompts_file=args.prompts,
                        limit=explicit["limit"], batch_sizes=int_list(explicit["batch_sizes"], "--batch-sizes", least=1),
                        ks=None if args.ks is None else int_list(args.ks, "--ks"), max_tokens=explicit["max_new_tokens"],
-                       repeats=explicit["repeats"], margin=args.margin, max_model_len=args.max_model_len)
+                       repeats=explicit["repeats"], margin=args.margin, max_model_len=args.max_model_len,
+                       workload=args.workload)
     print(result["table"])
     print(f"\nspeculative config ({result['files'][0]}):\n{json.dumps(result['speculative_config'])}")
     print(f"serve with: vllm serve {result['model']} --speculative-config \"$(cat {result['files'][0]})\"")

@@ -5,7 +5,7 @@ environment.
     python -m streamspec.vllm.measure SPEC.json OUT.json
 
 SPEC: ``{"model", "drafter" (folder), "prompts": [[ids], ...], "batch_sizes": [1, 8, ...], "ks": [0,
-2, ...], "max_tokens", "repeats", "dtype", "max_model_len", "margin" (optional)}``.
+2, ...], "max_tokens", "repeats", "dtype", "max_model_len", "margin" (optional), "serving" (optional)}``.
 
 Two engines live side by side in this process: vLLM plain, and the streams drafter started with
 the largest K and a schedule. Between measurements the streams engine's scheduler is told the K of
@@ -17,6 +17,11 @@ configuration is warmed up at that batch size first (new shapes cost the CPU's k
 and the configurations alternate for `repeats` rounds, each keeping its best round (another job on
 the machine slows rounds, never speeds them up). Prefix caching is off, so no round reuses an
 earlier one's prompts. Outputs are compared with plain vLLM's.
+
+With ``"serving": true`` the workload is a server's instead: prefix caching on and every prompt in
+the cache before the timed rounds (a server whose requests share their schemas or system prompts
+prefills little), and each request stops at its end of sequence (or `max_tokens`), so the batch
+drains as requests finish, as a burst of b requests does; tokens/s counts the tokens generated.
 
 With a "margin", the schedule is chosen (`streamspec.vllm.calibrate.choose_schedule`) and a third
 engine starts with it (the configuration calibrate writes): it must start, and its outputs and
@@ -46,7 +51,8 @@ def start(spec: dict, speculative: dict | None, max_num_seqs: int):
 
     return LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
                max_model_len=spec.get("max_model_len"), max_num_seqs=max_num_seqs, skip_tokenizer_init=True,
-               speculative_config=speculative, enable_prefix_caching=False, seed=0, distributed_executor_backend="uni")
+               speculative_config=speculative, enable_prefix_caching=bool(spec.get("serving")), seed=0,
+               distributed_executor_backend="uni")
 
 
 def set_drafts(llm, k: int) -> None:
@@ -63,12 +69,13 @@ def set_drafts(llm, k: int) -> None:
     lookup[1:] = [k] * (len(lookup) - 1)
 
 
-def decode(llm, prompts, size: int, max_tokens: int) -> tuple[list[list[int]], float]:
-    """`prompts` decoded `size` at a time; their outputs and the seconds it took."""
+def decode(llm, prompts, size: int, max_tokens: int, ignore_eos: bool = True) -> tuple[list[list[int]], float]:
+    """`prompts` decoded `size` at a time (each `max_tokens` tokens, or up to its end of sequence
+    with ``ignore_eos=False``); their outputs and the seconds it took."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, detokenize=False)
     outputs = []
     start_time = time.perf_counter()
     for i in range(0, len(prompts), size):
@@ -88,6 +95,16 @@ def measure(spec: dict, progress=print) -> dict:
     sizes, ks = [int(b) for b in spec["batch_sizes"]], [int(k) for k in spec["ks"]]
     layout = spec.get("layout", PEAGLE)
     k_max, repeats, tokens = max(max(ks), 2 if layout == PEAGLE else 1), int(spec.get("repeats", 2)), int(spec["max_tokens"])
+    serving = bool(spec.get("serving"))
+
+    def timed(llm, prompts, size: int) -> tuple[list[list[int]], float]:
+        """One timed round: its outputs and tokens/s (the tokens generated)."""
+        out, seconds = decode(llm, prompts, size, tokens, ignore_eos=not serving)
+        return out, sum(map(len, out)) / seconds
+
+    def warm_up(llm, prompts, size: int) -> None:
+        """This batch size's shapes set up; serving: every prompt in the prefix cache."""
+        decode(llm, prompts if serving else prompts[:size], size, min(tokens, 8))
     streams_config = streams_speculative_config(layout, spec["drafter"], k_max, [[1, max(sizes), k_max]])
     configs = ["plain"] + [f"K={k}" for k in ks]
     total = len(sizes) * len(configs) * (repeats + 1) + 2 + (len(sizes) + 1 if "margin" in spec else 0)
@@ -113,11 +130,11 @@ def measure(spec: dict, progress=print) -> dict:
                 if config != "plain":
                     set_drafts(llm, int(config[2:]))
                 if round_:
-                    out, seconds = decode(llm, prompts, size, tokens)
+                    out, rate = timed(llm, prompts, size)
                     outputs.setdefault(config, out)
-                    best[config] = max(best.get(config, 0.0), len(prompts) * tokens / seconds)
+                    best[config] = max(best.get(config, 0.0), rate)
                 else:
-                    decode(llm, prompts[:size], size, min(tokens, 8))
+                    warm_up(llm, prompts, size)
                 tick(f"batch {size} {config} {'round ' + str(round_) if round_ else 'warm-up'}")
         plain = outputs["plain"]
         rows.append({"batch_size": size, "tokens_per_s": best,
@@ -134,11 +151,11 @@ def measure(spec: dict, progress=print) -> dict:
         tick("schedule engine started")
         for row in rows:
             prompts = batch(spec["prompts"], row["batch_size"])
-            decode(engines["schedule"], prompts[:row["batch_size"]], row["batch_size"], min(tokens, 8))
+            warm_up(engines["schedule"], prompts, row["batch_size"])
             best = 0.0
             for _ in range(repeats):
-                out, seconds = decode(engines["schedule"], prompts, row["batch_size"], tokens)
-                best = max(best, len(prompts) * tokens / seconds)
+                out, rate = timed(engines["schedule"], prompts, row["batch_size"])
+                best = max(best, rate)
             tick(f"batch {row['batch_size']} schedule")
             result["schedule_check"].append({"batch_size": row["batch_size"], "tokens_per_s": best,
                                              "identical": out == row["outputs"]})

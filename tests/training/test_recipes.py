@@ -356,6 +356,7 @@ def _naive_counts(out, labels, num_streams):
                     rows.append(logits[b, t])
                     targets.append(int(labels[b, t + 1]))
         add(name, torch.stack(rows).float(), torch.tensor(targets))
+    right = {}  # (b, t, j): stream j's top-1 at t is the token at t+1+j
     for j in range(1, num_streams + 1):
         rows, targets = [], []
         for b in range(batch):
@@ -366,7 +367,11 @@ def _naive_counts(out, labels, num_streams):
                 if t + 1 + j < length and labels[b, t + 1 + j] != -100:
                     rows.append(out.stream_logits[b, t, j - 1])
                     targets.append(int(labels[b, t + 1 + j]))
+                    right[b, t, j] = int(out.stream_logits[b, t, j - 1].argmax()) == targets[-1]
         add(f"stream_{j}", torch.stack(rows).float(), torch.tensor(targets))
+    for j in range(2, num_streams + 1):
+        slots = [(b, t) for b in range(batch) for t in range(length) if all((b, t, i) in right for i in range(1, j + 1))]
+        sums[f"chain_{j}"] = (sum(all(right[b, t, i] for i in range(1, j + 1)) for b, t in slots), len(slots))
     return sums
 
 
@@ -387,11 +392,15 @@ def test_evaluate_counts_matches_naive_computation(single_thread):
     naive = _naive_counts(out, batch["labels"], model.stream_config.num_streams)
 
     names = ["main", "stream_1", "stream_2", "stream_3", "early_exit"]
-    assert set(counts) == {f"{n}_{k}" for n in names for k in ("loss_sum", "correct", "count")}
+    assert set(counts) == {f"{n}_{k}" for n in names for k in ("loss_sum", "correct", "count")} | {
+        f"chain_{j}_{k}" for j in (2, 3) for k in ("correct", "count")}
     for name in names:
         assert counts[f"{name}_count"] == naive[f"{name}_count"], name
         assert counts[f"{name}_correct"] == naive[f"{name}_correct"], name
         assert counts[f"{name}_loss_sum"] == pytest.approx(naive[f"{name}_loss_sum"], rel=1e-4), name
+    for j in (2, 3):  # the chain: streams 1..j all right at one position, counted naively
+        assert (counts[f"chain_{j}_correct"], counts[f"chain_{j}_count"]) == naive[f"chain_{j}"], j
+        assert counts[f"chain_{j}_correct"] <= min(counts[f"stream_{i}_correct"] for i in range(1, j + 1))
     # The counts are what the layout implies: every completion token (9 + 4) is a main target
     # (the last prompt position predicts the first one); stream j loses the last j per row.
     assert counts["main_count"] == 9 + 4
@@ -402,6 +411,18 @@ def test_evaluate_counts_matches_naive_computation(single_thread):
         assert counts[f"{name}_loss_sum"] / counts[f"{name}_count"] == pytest.approx(float(out.loss_parts[name]), rel=1e-4)
     # evaluation_counts dispatches to it for a streamed model.
     assert evaluation_counts(model, batch) == pytest.approx(counts, rel=1e-5)
+
+
+def test_chain_counts_need_every_stream_up_to_j():
+    """chain_j: of the positions where streams 1..j all have a target, those where all are right."""
+    from streamspec.patch.forward import chain_counts
+
+    mask = lambda *bits: torch.tensor([bits], dtype=torch.bool)  # noqa: E731
+    streams = [(mask(1, 1, 0, 1, 1), mask(1, 1, 1, 1, 1)),   # stream 1: right, has a target
+               (mask(1, 0, 1, 1, 1), mask(1, 1, 1, 1, 0)),
+               (mask(0, 0, 1, 1, 0), mask(1, 1, 1, 0, 0))]
+    assert chain_counts(streams) == {"chain_2_correct": 2, "chain_2_count": 4, "chain_3_correct": 0, "chain_3_count": 3}
+    assert chain_counts(streams[:1]) == {} and chain_counts([]) == {}
 
 
 def test_evaluation_counts_for_a_next_token_model(single_thread):
@@ -452,6 +473,9 @@ def test_summarize_real_counts(single_thread):
         assert metrics[f"{term}_loss"] == round(counts[f"{term}_loss_sum"] / counts[f"{term}_count"], 4)
         assert metrics[f"{term}_top1"] == round(counts[f"{term}_correct"] / counts[f"{term}_count"], 4)
         assert 0.0 <= metrics[f"{term}_top1"] <= 1.0
+    for term in ("chain_2", "chain_3"):  # no loss of their own
+        assert metrics[f"{term}_top1"] == round(counts[f"{term}_correct"] / counts[f"{term}_count"], 4)
+        assert f"{term}_loss" not in metrics
 
 
 # ---------------------------------------------------------------------------------------------

@@ -190,3 +190,11 @@ def test_calibrate_writes_a_config_vllm_starts_with(scheduled, tmp_path):
     assert [c["identical"] for c in result["measured"]["schedule_check"]] == [True, True]
     assert "| batch size | plain | streams K=0 | streams K=2 | chosen K | schedule |" in result["table"]
     assert json.loads((tmp_path / "out" / "calibration.json").read_text())["speculative_config"] == written
+    # a server's workload: prompts in the prefix cache, requests ending at their end; the same outputs
+    with pytest.raises(ValueError, match="--workload must be one of steady, serving"):
+        calibrate(str(drafter), tmp_path / "bad", model=str(base), prompts_file=str(prompts), workload="burst")
+    served = calibrate(str(drafter), tmp_path / "served", model=str(base), prompts_file=str(prompts), limit=2,
+                       batch_sizes=(1,), ks=[0, 2], max_tokens=4, repeats=1, max_model_len=256, workload="serving",
+                       show_progress=False)
+    assert all(served["measured"]["rows"][0]["identical"].values()) and served["measured"]["schedule_check"][0]["identical"]
+    assert json.loads((tmp_path / "served" / "calibration.json").read_text())["settings"]["workload"] == "serving"
