@@ -1,43 +1,53 @@
-"""Validation top-1 of each draft (stream j, or Medusa head j) against the model's own next
-tokens, for several checkpoints on the same rows: the validation split of a recipe's data (for a
-``data.distill`` recipe, the model's own completions of the validation prompts, what lossless
-decoding is accepted against).
+"""Top-1 of each draft (stream j, or Medusa head j) and of the chain against the model's own
+tokens, teacher-forced, for several checkpoints on the same rows: the validation split of a
+recipe's data (for a ``data.distill`` recipe, the model's own completions of the validation
+prompts, what lossless decoding is accepted against), or the model's own greedy replies to a
+task's held-out prompts (``--task``: Spider's held-out questions, MT-bench's first turns).
 
     python eval/draft_accuracy.py --recipe recipes/smollm2-135m/sql_streams_distilled.yaml \
-        --checkpoints runs/smollm2-sql-streams-labelled/final runs/smollm2-sql-streams-distilled/final \
-                      runs/smollm2-sql-medusa/final
+        --checkpoints runs/smollm2-sql-streams-labelled/final runs/smollm2-sql-medusa/final
+    python eval/draft_accuracy.py --task chat --limit 30 --max-new-tokens 128 \
+        --checkpoints runs/smollm2-chat-streams-10/final
 
-Prints one JSON line per checkpoint: ``{term}_top1`` and ``{term}_loss`` for main and each draft.
+Prints one JSON line per checkpoint: ``{term}_top1`` (and ``{term}_loss``) for main, each draft
+and the chain (``chain_j``: streams 1..j all right), and a chain's expected tokens a pass.
 """
 
 import argparse
 import json
+import sys
 
-import torch
-
-from streamspec.data.build import PadCollator, tokenize_rows
+from streamspec.data.build import tokenize_rows
+from streamspec.evaluation.benchmark import held_out_rows
+from streamspec.evaluation.draft_accuracy import draft_accuracy, greedy_examples, tokens_a_pass
 from streamspec.loading import load_for_inference
 from streamspec.training.recipe import load_recipe
-from streamspec.training.trainer import evaluation_counts, summarize_counts, task_rows
+from streamspec.training.trainer import task_rows
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", required=True, help="whose validation rows to score (its data section)")
+    rows_from = parser.add_mutually_exclusive_group(required=True)
+    rows_from.add_argument("--recipe", help="whose validation rows to score (its data section)")
+    rows_from.add_argument("--task", choices=["sql", "chat", "summarize"],
+                           help="score the model's own greedy replies to this task's held-out prompts")
     parser.add_argument("--checkpoints", nargs="+", required=True, help="streamed or Medusa checkpoints")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--limit", type=int, default=None, help="only the first N validation rows")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N rows (prompts)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="--task: the replies' length at most")
     args = parser.parse_args()
-    recipe = load_recipe(args.recipe)
-    rows = task_rows(recipe, "validation")[: args.limit]
-    for checkpoint in args.checkpoints:
-        loaded = load_for_inference(checkpoint, device="cpu", dtype="float32", cpu_kernels=False)
-        tokenizer = loaded.tokenizer
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        examples, _ = tokenize_rows(rows, tokenizer, recipe.data.max_length, recipe.data.overflow)
-        collate = PadCollator(pad)
-        sums: dict[str, float] = {}
-        with torch.no_grad():
-            for i in range(0, len(examples), args.batch_size):
-                for key, value in evaluation_counts(loaded.model, collate(examples[i : i + args.batch_size])).items():
-                    sums[key] = sums.get(key, 0.0) + value
-        print(json.dumps({"checkpoint": checkpoint, "rows": len(examples), **summarize_counts(sums)}), flush=True)
+    try:
+        recipe = load_recipe(args.recipe) if args.recipe else None
+        rows = (task_rows(recipe, "validation") if recipe else held_out_rows(args.task))[: args.limit]
+        for checkpoint in args.checkpoints:
+            loaded = load_for_inference(checkpoint, device="cpu", dtype="float32", cpu_kernels=False)
+            tokenizer = loaded.tokenizer
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            if recipe:
+                examples, _ = tokenize_rows(rows, tokenizer, recipe.data.max_length, recipe.data.overflow)
+            else:  # the checkpoint's own main outputs: what its drafts are accepted against
+                examples = greedy_examples(loaded.model.hf_model, tokenizer, rows, args.max_new_tokens)
+            metrics = draft_accuracy(loaded.model, examples, pad, args.batch_size)
+            print(json.dumps({"checkpoint": checkpoint, "rows": len(examples), **metrics,
+                              "chain_tokens_a_pass": tokens_a_pass(metrics)}), flush=True)
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"draft_accuracy: error: {err}")
