@@ -10,7 +10,10 @@ task's held-out prompts (``--task``: Spider's held-out questions, MT-bench's fir
         --checkpoints runs/smollm2-chat-streams-10/final
 
 Prints one JSON line per checkpoint: ``{term}_top1`` (and ``{term}_loss``) for main, each draft
-and the chain (``chain_j``: streams 1..j all right), and a chain's expected tokens a pass.
+and the chain (``chain_j``: streams 1..j all right), the chain's tokens a pass averaged over the
+text's positions, and with ``--task`` for streams ``chain_crr``: the CRR a greedy chain reaches on
+those replies, walked pass by pass from the teacher-forced drafts (what `streamspec eval`'s chain
+row measures by decoding, with no timing).
 """
 
 import argparse
@@ -19,7 +22,7 @@ import sys
 
 from streamspec.data.build import tokenize_rows
 from streamspec.evaluation.benchmark import held_out_rows
-from streamspec.evaluation.draft_accuracy import draft_accuracy, greedy_examples, tokens_a_pass
+from streamspec.evaluation.draft_accuracy import chain_crr, draft_accuracy, greedy_examples, tokens_a_pass
 from streamspec.loading import load_for_inference
 from streamspec.training.recipe import load_recipe
 from streamspec.training.trainer import task_rows
@@ -47,7 +50,10 @@ if __name__ == "__main__":
             else:  # the checkpoint's own main outputs: what its drafts are accepted against
                 examples = greedy_examples(loaded.model.hf_model, tokenizer, rows, args.max_new_tokens)
             metrics = draft_accuracy(loaded.model, examples, pad, args.batch_size)
+            simulated = {}
+            if not recipe and hasattr(loaded.model, "stream_hits"):  # streams on their own replies
+                simulated["chain_crr"] = round(chain_crr(loaded.model, examples), 4)
             print(json.dumps({"checkpoint": checkpoint, "rows": len(examples), **metrics,
-                              "chain_tokens_a_pass": tokens_a_pass(metrics)}), flush=True)
+                              "chain_tokens_a_pass": tokens_a_pass(metrics), **simulated}), flush=True)
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"draft_accuracy: error: {err}")

@@ -50,9 +50,48 @@ def draft_accuracy(model, examples: list[dict], pad_id: int, batch_size: int = 8
     return summarize_counts(sums)
 
 
+def chain_passes(right: torch.Tensor, has_target: torch.Tensor, last_prompt: int, reply: int) -> int:
+    """The passes a greedy chain (one draft per stream, `streamspec.decoding`) takes to decode a
+    reply of `reply` tokens, from one sequence's `StreamedModel.stream_hits` ([length, γ] each):
+    the prefill gives the first token and its streams at the prompt's last position (`last_prompt`)
+    draft the next; each pass adds 1 + the leading run of right drafts, and the next drafts come
+    from the streams at the last position it accepted."""
+    num_streams = right.shape[1]
+    passes, produced, slot = 1, 1, last_prompt
+    while produced < reply:
+        accepted = 0
+        while accepted < num_streams and has_target[slot, accepted] and right[slot, accepted]:
+            accepted += 1
+        passes += 1
+        produced += 1 + accepted
+        slot += 1 + accepted
+    return passes
+
+
+@torch.no_grad()
+def chain_crr(model, examples: list[dict]) -> float:
+    """The CRR (tokens a pass, prefill included) a greedy chain of `model`'s streams reaches on
+    `examples` (the model's own replies, `greedy_examples`), simulated from their teacher-forced
+    drafts: what `streamspec.generate` with ``tree_top_k=1`` measures on those prompts."""
+    tokens = passes = 0
+    for example in examples:
+        ids, labels = torch.tensor([example["input_ids"]]), torch.tensor([example["labels"]])
+        reply = int((labels != -100).sum())
+        if not reply:
+            continue
+        right, has_target = model.stream_hits(ids, torch.ones_like(ids), labels)
+        tokens += reply
+        passes += chain_passes(right[0], has_target[0], ids.shape[1] - reply - 1, reply)
+    if not passes:
+        raise ValueError("no example has a reply to decode")
+    return tokens / passes
+
+
 def tokens_a_pass(metrics: dict[str, float]) -> float | None:
-    """A greedy chain's expected tokens a pass on the scored text: 1 + stream 1's top-1 + each
-    chain_j's (None for drafts without a chain, e.g. Medusa heads)."""
+    """A greedy chain's tokens a pass averaged over the positions of the scored text: 1 + stream
+    1's top-1 + each chain_j's (None for drafts without a chain, e.g. Medusa heads). Passes skip
+    the positions they accept, so where right drafts come in runs a chain's CRR (`chain_crr`) is
+    below this average."""
     if "stream_1_top1" not in metrics:
         return None
     chains = sorted(int(k.split("_")[1]) for k in metrics if k.startswith("chain_") and k.endswith("_top1"))

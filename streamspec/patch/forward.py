@@ -118,6 +118,29 @@ class TrainingForward:
         ``{term}_count``; and for j ≥ 2 ``chain_j_correct`` / ``chain_j_count``: positions where
         streams 1..j are all right, of those where all have a target (what a chain's draft j is
         accepted at when decoding this text). Needs labels; never builds the full logits."""
+        sums, streams_right, _ = self._scored(input_ids, attention_mask, labels, chunk_size, activations)
+        sums.update(chain_counts(streams_right))
+        return sums
+
+    @torch.no_grad()
+    def stream_hits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None, chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position t and stream j, whether stream j's top-1 at t is its target (the token at
+        t+1+j) and whether it has one: two [batch, length, γ] bool tensors. A greedy chain that
+        decodes this text accepts, in the pass after the one that ended at t, the leading run of
+        right drafts at t (`streamspec.evaluation.draft_accuracy.chain_passes`)."""
+        _, streams_right, index = self._scored(input_ids, attention_mask, labels, chunk_size, None)
+        shape = (*input_ids.shape, len(streams_right))
+        right = torch.zeros(shape, dtype=torch.long, device=input_ids.device)
+        has_target = torch.zeros_like(right)
+        for j, (hit, keep) in enumerate(streams_right):  # slots to positions (padding slots add nothing)
+            right[:, :, j].scatter_add_(1, index, (hit & keep).long())
+            has_target[:, :, j].scatter_add_(1, index, keep.long())
+        return right > 0, has_target > 0
+
+    def _scored(self, input_ids, attention_mask, labels, chunk_size, activations):
+        """`evaluate_counts`' sums before the chain's, each stream's slot-shaped (right, has a
+        target) masks, and the slots' positions."""
         if labels is None:
             raise ValueError("evaluate_counts needs labels")
         head = self.hf_model.get_output_embeddings()
@@ -138,8 +161,7 @@ class TrainingForward:
                 right = torch.zeros_like(keep)
                 right[keep] = hits
                 streams_right.append((right, keep))
-        sums.update(chain_counts(streams_right))
-        return sums
+        return sums, streams_right, index
 
     def _hidden(self, input_ids, attention_mask, labels, streams_at: str = "all"):
         """The shared forward: final main and stream hidden states (before the final norm) and the

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamspec import StreamConfig, add_streams
 from streamspec.data.build import prompt_ids
-from streamspec.evaluation.draft_accuracy import draft_accuracy, greedy_examples, tokens_a_pass
+from streamspec.evaluation.draft_accuracy import chain_passes, draft_accuracy, greedy_examples, tokens_a_pass
 
 
 def test_replies_are_the_base_greedy_text_and_scores_do_not_depend_on_batching(tiny_dir, single_thread):
@@ -42,3 +42,18 @@ def test_replies_are_the_base_greedy_text_and_scores_do_not_depend_on_batching(t
         greedy_examples(model.hf_model, tokenizer, rows, max_new_tokens=0)
     with pytest.raises(ValueError, match="no examples"):
         draft_accuracy(model, [], pad)
+
+
+def test_a_chain_pass_adds_the_leading_run_of_right_drafts():
+    """chain_passes walks the text as a greedy chain decodes it: the prefill's one token, then per
+    pass 1 + the right drafts in a row at the last accepted position, until the reply is out."""
+    bits = lambda rows: torch.tensor(rows, dtype=torch.bool)  # noqa: E731  [position, stream]
+    # positions 0-1 the prompt (1 its last), 2.. the reply; γ = 2
+    right = bits([[0, 0], [1, 1], [0, 1], [1, 0], [0, 0], [1, 1], [0, 0], [0, 0], [0, 0]])
+    has = torch.ones_like(right)
+    # prefill → reply token 1; pass 2 from position 1: both drafts right → 3 more (4 out), next slot 4;
+    # pass 3 from 4: none → 1 (5 out), slot 5; pass 4 from 5: both → 3 (8 out)
+    assert chain_passes(right, has, last_prompt=1, reply=7) == 4
+    assert chain_passes(right, has, last_prompt=1, reply=1) == 1  # the prefill's token alone
+    has[5, 0] = False  # no target for stream 1 there (past the reply's end): nothing accepted from 5
+    assert chain_passes(right, has, last_prompt=1, reply=7) == 5

@@ -161,6 +161,32 @@ def test_shipped_streams_load_by_name_and_keep_the_base_exact(base, tokenizer, n
     assert out.forward_passes < out.tokens.shape[1]  # trained streams: more than one token per pass
 
 
+def test_teacher_forced_drafts_give_the_decoded_chain_pass_for_pass(tokenizer):
+    """`eval/draft_accuracy.py`'s simulated chain: from the shipped SQL streams' teacher-forced hits
+    on the model's own replies, the passes a greedy chain takes, equal to `generate`'s own count
+    (tree_top_k 1) reply for reply: offline equals online."""
+    from streamspec.data.build import prompt_ids
+    from streamspec.decoding.generate import generate
+    from streamspec.evaluation.benchmark import held_out_rows
+    from streamspec.evaluation.draft_accuracy import chain_crr, chain_passes, greedy_examples
+    from streamspec.loading import load_for_inference
+
+    loaded = load_for_inference("streamspec:smollm2-135m-sql-streams", device="cpu", dtype="float32", cpu_kernels=False)
+    rows = held_out_rows("sql")[1:3]
+    examples = greedy_examples(loaded.model.hf_model, tokenizer, rows, 40, show_progress=False)
+    tokens = passes = 0
+    for row, example in zip(rows, examples):
+        ids = prompt_ids(tokenizer, row)
+        out = generate(loaded.model, ids, 40, tree_top_k=1, eos_token_id=tokenizer.eos_token_id)
+        assert out.tokens[0].tolist() == example["input_ids"][ids.shape[1]:]
+        full, labels = torch.tensor([example["input_ids"]]), torch.tensor([example["labels"]])
+        right, has_target = loaded.model.stream_hits(full, None, labels)
+        assert chain_passes(right[0], has_target[0], ids.shape[1] - 1, out.tokens.shape[1]) == out.forward_passes
+        assert out.forward_passes < out.tokens.shape[1]  # drafts were accepted: the walk is not trivial
+        tokens, passes = tokens + out.tokens.shape[1], passes + out.forward_passes
+    assert chain_crr(loaded.model, examples) == pytest.approx(tokens / passes)
+
+
 def test_the_shipped_streams_for_vllm_read_the_next_token(base, tokenizer):
     """``smollm2-135m-sql-vllm-streams`` (vLLM's DFlash drafter; tests/vllm runs it there) loads by
     name for the default model and reads the token after each position: streamspec's own decoders,
