@@ -22,7 +22,7 @@ import sys
 
 from streamspec.data.build import tokenize_rows
 from streamspec.evaluation.benchmark import held_out_rows
-from streamspec.evaluation.draft_accuracy import chain_crr, draft_accuracy, greedy_examples, tokens_a_pass
+from streamspec.training.draft_accuracy import chain_crr, draft_accuracy, greedy_examples, tokens_a_pass
 from streamspec.loading import load_for_inference
 from streamspec.training.recipe import load_recipe
 from streamspec.training.trainer import task_rows

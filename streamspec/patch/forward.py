@@ -128,7 +128,7 @@ class TrainingForward:
         """Per position t and stream j, whether stream j's top-1 at t is its target (the token at
         t+1+j) and whether it has one: two [batch, length, γ] bool tensors. A greedy chain that
         decodes this text accepts, in the pass after the one that ended at t, the leading run of
-        right drafts at t (`streamspec.evaluation.draft_accuracy.chain_passes`)."""
+        right drafts at t (`streamspec.training.draft_accuracy.chain_passes`)."""
         _, streams_right, index = self._scored(input_ids, attention_mask, labels, chunk_size, None)
         shape = (*input_ids.shape, len(streams_right))
         right = torch.zeros(shape, dtype=torch.long, device=input_ids.device)

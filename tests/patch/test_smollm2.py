@@ -168,7 +168,7 @@ def test_teacher_forced_drafts_give_the_decoded_chain_pass_for_pass(tokenizer):
     from streamspec.data.build import prompt_ids
     from streamspec.decoding.generate import generate
     from streamspec.evaluation.benchmark import held_out_rows
-    from streamspec.evaluation.draft_accuracy import chain_crr, chain_passes, greedy_examples
+    from streamspec.training.draft_accuracy import chain_crr, chain_passes, greedy_examples
     from streamspec.loading import load_for_inference
 
     loaded = load_for_inference("streamspec:smollm2-135m-sql-streams", device="cpu", dtype="float32", cpu_kernels=False)

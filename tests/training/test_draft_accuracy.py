@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamspec import StreamConfig, add_streams
 from streamspec.data.build import prompt_ids
-from streamspec.evaluation.draft_accuracy import chain_passes, draft_accuracy, greedy_examples, tokens_a_pass
+from streamspec.training.draft_accuracy import chain_passes, draft_accuracy, greedy_examples, tokens_a_pass
 
 
 def test_replies_are_the_base_greedy_text_and_scores_do_not_depend_on_batching(tiny_dir, single_thread):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..data.build import PadCollator, prompt_ids
-from ..training.trainer import evaluation_counts, summarize_counts
+from .trainer import evaluation_counts, summarize_counts
 
 
 @torch.no_grad()
