@@ -3,7 +3,8 @@ pruned draft vocabulary when asked) and run in one vLLM process beside vLLM plai
 held-out prompts; prints each one's mean acceptance length, acceptance per draft position,
 tokens/s and whether its outputs equal plain vLLM's, and writes them as JSON. ``--lookup MIN:MAX``
 adds each checkpoint again with lookup drafts merged into its drafts (row NAME+lookup;
-`streamspec.vllm.lookup`), ``--lookup-drafts K [K ...]`` such a row for each K drafts a step
+`streamspec.vllm.lookup`; ``--lookup suffix:0`` suffix decoding's, row NAME+suffix0; several
+values, a row each), ``--lookup-drafts K [K ...]`` such a row for each K drafts a step
 (NAME+lookup+KK; up to 2γ, lookup filling the positions past the streams'), ``--peers ngram
 suffix`` vLLM's own lookup drafters beside them, ``--eagle3 FOLDER`` / ``--peagle FOLDER`` EAGLE-3 and
 P-EAGLE drafters trained by speculators (``eval/train_peer_drafters.py``) beside them.
@@ -43,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1], help="requests at once")
     parser.add_argument("--draft-vocab", type=int, default=None, help="a pruned draft vocabulary of N ids")
     parser.add_argument("--draft-vocab-from", nargs="+", default=None, metavar="DISTILLED")
-    parser.add_argument("--lookup", default=None, metavar="MIN:MAX",
-                        help="also each checkpoint with lookup drafts merged (`streamspec export --lookup`)")
+    parser.add_argument("--lookup", nargs="+", default=None, metavar="MIN:MAX|suffix[:CACHED]",
+                        help="also each checkpoint with lookup drafts merged, a row for each value "
+                             "(`streamspec export --lookup`)")
     parser.add_argument("--lookup-drafts", type=int, nargs="+", default=None, metavar="K",
                         help="drafts a step of the lookup rows, a row each (`streamspec export --drafts`; default γ; "
                              "up to 2γ, lookup filling the positions past the streams')")
@@ -69,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
             folders = {}
             for name, checkpoint in checkpoints.items():
                 variants = [(name, None, None)]
-                if args.lookup:
-                    variants += [(lookup_row_name(name, k), args.lookup, k) for k in args.lookup_drafts or [None]]
+                for lookup in args.lookup or []:
+                    variants += [(lookup_row_name(name, k, lookup), lookup, k) for k in args.lookup_drafts or [None]]
                 for row, lookup, drafts in variants:
                     folders[row] = export_for_vllm(checkpoint, Path(tmp) / row, layout="dflash", dtype="float32",
                                                    draft_vocab=args.draft_vocab,
                                                    draft_vocab_from=args.draft_vocab_from, lookup=lookup, drafts=drafts)
-            if "suffix" in args.peers:
+            if "suffix" in args.peers or any(str(v).startswith("suffix") for v in args.lookup or []):
                 check_suffix_decoding()  # raises naming the fix (`make vllm`) before any engine starts
             spec = {"model": vllm_base(args.base), "prompts": prompts, "max_tokens": args.max_new_tokens,
                     "dtype": "float32", "runs": acceptance_runs(folders, concurrency, tuple(args.peers), trained)}

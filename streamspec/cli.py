@@ -142,10 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "--draft-vocab-from), an LM head of N rows in the drafter's pass (default: every id)")
     export.add_argument("--draft-vocab-from", nargs="+", default=None, metavar="DISTILLED",
                         help="the distilled sets (folders or JSONL) the draft vocabulary is counted in")
-    export.add_argument("--lookup", default=None, metavar="MIN:MAX",
+    export.add_argument("--lookup", default=None, metavar="MIN:MAX|suffix[:CACHED]",
                         help="with --format vllm: each step, what followed the latest earlier occurrence of the "
                              "request's last MAX..MIN tokens in its own text replaces the streams' first drafts "
-                             "(e.g. 2:4; default: the streams' drafts only)")
+                             "(e.g. 2:4), or what suffix decoding's trees of the prompt, the output so far and the "
+                             "last CACHED requests' outputs (default 10000; 0: none) continue it with (suffix; needs "
+                             "arctic-inference, `make vllm`); default: the streams' drafts only")
     export.add_argument("--drafts", type=int, default=None, metavar="K",
                         help="with --format vllm: the drafts a step the folder asks vLLM for (default: one a stream); "
                              "with --lookup in the dflash layout up to 2γ, lookup filling the positions past γ")

@@ -15,22 +15,28 @@ def named_checkpoints(items: list[str]) -> dict[str, str]:
         name, _, checkpoint = item.partition("=") if "=" in item else (item, "", item)
         if not checkpoint or not name:
             raise ValueError(f"a checkpoint is NAME=CHECKPOINT or CHECKPOINT, got {item!r}")
-        if name in out or name == "vllm":
-            raise ValueError(f"checkpoint name {name!r} is taken (each name once; 'vllm' is plain vLLM's row)")
+        if name in out or name == "vllm" or "+" in name:
+            raise ValueError(f"checkpoint name {name!r} is taken (each name once, without '+', which its lookup "
+                             "rows add; 'vllm' is plain vLLM's row)")
         out[name] = checkpoint
     return out
 
 
 LOOKUP_SUFFIX = "+lookup"  # the row of a checkpoint's drafter with lookup drafts merged (``--lookup``)
+SUFFIX_ROW = "+suffix"  # the same with suffix decoding's drafts merged (``--lookup suffix``)
 # lookup drafters run beside the streams (``--peers``): vLLM's n-gram drafter as `streamspec eval` runs it
 PEERS = {"ngram": {"drafter": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_max": NGRAM_TOKENS},
          "suffix": {"drafter": "suffix"}}
 
 
-def lookup_row_name(name: str, drafts: int | None) -> str:
-    """The row of checkpoint `name` with lookup drafts merged: ``NAME+lookup``, or with K drafts a
-    step asked for (``--lookup-drafts``) ``NAME+lookup+KK``."""
-    return f"{name}{LOOKUP_SUFFIX}" + ("" if drafts is None else f"+K{drafts}")
+def lookup_row_name(name: str, drafts: int | None, lookup: str | None = None) -> str:
+    """The row of checkpoint `name` with lookup drafts merged: ``NAME+lookup`` (``NAME+suffix``
+    for suffix decoding's, ``NAME+suffix0`` for ``suffix:0``), or with K drafts a step asked for
+    (``--lookup-drafts``) ``NAME+lookup+KK``."""
+    kind = LOOKUP_SUFFIX
+    if lookup is not None and str(lookup).startswith("suffix"):
+        kind = SUFFIX_ROW + str(lookup).partition(":")[2]
+    return f"{name}{kind}" + ("" if drafts is None else f"+K{drafts}")
 
 
 def acceptance_runs(folders: dict[str, str], concurrency: tuple[int, ...], peers: tuple[str, ...] = (),
@@ -58,7 +64,7 @@ def acceptance_rows(results: list[dict], checkpoints: dict[str, str]) -> list[di
     """One row a run: tokens/s against plain vLLM at its concurrency, vLLM's mean acceptance length
     and acceptance per draft position, and whether its outputs equal plain vLLM's."""
     plain = {r["concurrency"]: r for r in results if r["drafter"] == "none"}
-    return [{"name": r["name"], "checkpoint": checkpoints.get(r["name"].partition(LOOKUP_SUFFIX)[0]),
+    return [{"name": r["name"], "checkpoint": checkpoints.get(r["name"].partition("+")[0]),
              "concurrency": r["concurrency"],
              "tokens_per_second": round(r["tokens_per_s"], 2),
              "x_vllm": round(r["tokens_per_s"] / plain[r["concurrency"]]["tokens_per_s"], 3),

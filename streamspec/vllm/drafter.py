@@ -56,7 +56,7 @@ from ..fingerprint import same_fingerprint
 from ..scales import over_rms, rms
 from .format import (ALIGNMENT_ENV, DFLASH, DRAFTER_FORMAT, PEAGLE, check_folder_layout, check_target,
                      draft_range, recommended_drafts)
-from .lookup import install_lookup_hook, parse_lookup
+from .lookup import install_lookup_hook, lookup_source, parse_lookup
 from .schedule import check_schedule, install_proposer_hook, zero_drafts_mode
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,7 @@ class StreamsDrafter(Eagle3LlamaForCausalLM):
         self.num_drafts = spec.num_speculative_tokens
         # lookup drafts merged into the streams' each step (`streamspec.vllm.lookup`), read by the runner hook
         self.lookup = parse_lookup(facts.get("lookup"))
+        self.lookup_source = lookup_source(self.lookup) if self.lookup else None
         self._check_speculative_config(spec)
         check_schedule(spec.num_speculative_tokens_per_batch_size, self.num_drafts, self.num_streams,
                        least=self.least_scheduled_drafts)

@@ -156,7 +156,8 @@ def export_for_vllm(checkpoint: str | Path, out: str | Path, dtype: str | torch.
     (`streamspec.vllm.format.LAYOUTS`); returns it. `draft_vocab` N: drafts among the N ids the
     model writes most often in the distilled sets `draft_vocab_from` (`draft_vocabulary`).
     `lookup` ``"MIN:MAX"``: each step the request's own text is looked up for its last MAX..MIN
-    tokens and what followed them replaces the streams' first drafts (`streamspec.vllm.lookup`).
+    tokens and what followed them replaces the streams' first drafts; ``"suffix[:CACHED]"``: suffix
+    decoding's trees draft them (`streamspec.vllm.lookup`).
     `drafts` K: the drafts a step the folder asks vLLM for (default: every stream's,
     `recommended_drafts`); in the DFlash layout with `lookup`, up to 2γ (`draft_range`).
 

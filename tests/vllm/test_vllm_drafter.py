@@ -472,8 +472,8 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     """SmolLM2 with the shipped SQL streams on held-out Spider questions: identical to vLLM without
     speculation one at a time and 8 at once, vLLM's acceptance counters above 1, and the drafts
     equal to streamspec's own streams; the same for the shipped SQL streams for vLLM, which read
-    the bonus token, one at a time; and those with lookup drafts merged and a draft past the
-    streams', 8 at once."""
+    the bonus token, one at a time; and those with lookup drafts (prompt lookup's, suffix
+    decoding's) merged and a draft past the streams', 8 at once."""
     from streamspec.assets import default_model_path, load_default_tokenizer
     from streamspec.data.build import prompt_ids
     from streamspec.evaluation.benchmark import held_out_rows
@@ -487,14 +487,21 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     lookup = export_for_vllm("streamspec:smollm2-135m-sql-vllm-streams", tmp_path / "drafter-lookup", lookup="2:4",
                              drafts=4)
     lookup_log = tmp_path / "lookup.jsonl"
+    # suffix decoding's drafts merged instead (its trees of each request's prompt and output; the
+    # drafts themselves are vLLM's suffix drafter's, tests/vllm/test_vllm_lookup.py), 8 at once
+    suffix = export_for_vllm("streamspec:smollm2-135m-sql-vllm-streams", tmp_path / "drafter-suffix",
+                             lookup="suffix:0", drafts=4)
     spec = {"model": str(default_model_path()), "prompts": prompts, "max_tokens": 48, "warmup": False,
             "runs": [{"drafter": "none"}, {"drafter": "streams", "folder": str(drafter)},
                      {"drafter": "streams", "folder": str(drafter), "concurrency": 8},
                      {"drafter": "streams", "folder": str(reading)},
-                     {"drafter": "streams", "folder": str(lookup), "concurrency": 8}]}
-    plain, streams, batched, next_token, looked_up = run_vllm(
+                     {"drafter": "streams", "folder": str(lookup), "concurrency": 8},
+                     {"drafter": "streams", "folder": str(suffix), "concurrency": 8}]}
+    plain, streams, batched, next_token, looked_up, suffixed = run_vllm(
         spec, env={ALIGNMENT_ENV: str(log), LOOKUP_ENV: str(lookup_log)})["runs"]
     assert streams["outputs"] == plain["outputs"] == batched["outputs"] == next_token["outputs"] == looked_up["outputs"]
+    assert suffixed["outputs"] == plain["outputs"]
+    assert suffixed["mean_acceptance_length"] > next_token["mean_acceptance_length"]
     assert streams["mean_acceptance_length"] > 1.5 and batched["mean_acceptance_length"] > 1.5
     assert next_token["mean_acceptance_length"] > 1.5
     # lookup drafts: each request looked up in its own text as it stood (prompt, output so far; a
@@ -502,7 +509,12 @@ def test_default_model_with_the_shipped_sql_streams(tmp_path):
     # what the lookup finds there; SQL copies its schema's names, so more is accepted
     texts = [p + o for p, o in zip(prompts, plain["outputs"])]
     merged = 0
-    for line in read_log(lookup_log):
+    lines = read_log(lookup_log)
+    suffix_lines = [line for line in lines if "suffix" in line.get("lookup", "")]
+    assert suffix_lines  # the suffix folder's steps are logged too, and checked apart
+    for line in lines:
+        if line in suffix_lines:
+            continue
         text = line["text"]
         assert any(len(p) < len(text) and text[:len(t)] == t[:len(text)] for p, t in zip(prompts, texts))
         found = lookup_drafts(np.array(text), 4, 2, 4).tolist()

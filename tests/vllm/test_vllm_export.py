@@ -265,7 +265,8 @@ def test_the_acceptance_comparison_rows():
 
     checkpoints = named_checkpoints(["a=runs/x/final", "streamspec:smollm2-135m-sql-streams"])
     assert checkpoints == {"a": "runs/x/final", "streamspec:smollm2-135m-sql-streams": "streamspec:smollm2-135m-sql-streams"}
-    for bad, match in ((["a=x", "a=y"], "'a' is taken"), (["vllm=x"], "'vllm' is taken"), (["=x"], "NAME=CHECKPOINT")):
+    for bad, match in ((["a=x", "a=y"], "'a' is taken"), (["vllm=x"], "'vllm' is taken"), (["a+b=x"], "without '\\+'"),
+                       (["=x"], "NAME=CHECKPOINT")):
         with pytest.raises(ValueError, match=match):
             named_checkpoints(bad)
     runs = acceptance_runs({"a": "A"}, (1, 8))
@@ -284,13 +285,16 @@ def test_the_acceptance_comparison_rows():
     # vLLM's lookup drafters beside them, after plain; a checkpoint's +lookup row names its checkpoint
     # (with K drafts a step asked for, its own row)
     assert lookup_row_name("a", None) == "a+lookup" and lookup_row_name("a", 4) == "a+lookup+K4"
-    runs = acceptance_runs({"a": "A", "a+lookup": "AL", "a+lookup+K4": "AL4"}, (1,), ("ngram", "suffix"))
+    # suffix decoding's drafts merged: their own rows (+suffix0 for suffix:0, no global tree)
+    assert lookup_row_name("a", None, "suffix") == "a+suffix" and lookup_row_name("a", 5, "suffix:0") == "a+suffix0+K5"
+    runs = acceptance_runs({"a": "A", "a+lookup": "AL", "a+lookup+K4": "AL4", "a+suffix0+K5": "AS5"}, (1,),
+                           ("ngram", "suffix"))
     assert [(r["name"], r["drafter"]) for r in runs] == [
         ("vllm", "none"), ("vllm_ngram", "ngram"), ("vllm_suffix", "suffix"), ("a", "streams"), ("a+lookup", "streams"),
-        ("a+lookup+K4", "streams")]
+        ("a+lookup+K4", "streams"), ("a+suffix0+K5", "streams")]
     assert runs[1]["num_speculative_tokens"] == runs[1]["prompt_lookup_max"] == 4
     results = [{**r, "tokens_per_s": 10.0, "outputs": [[1]]} for r in runs]
-    assert [r["checkpoint"] for r in acceptance_rows(results, {"a": "A"})] == [None, None, None, "A", "A", "A"]
+    assert [r["checkpoint"] for r in acceptance_rows(results, {"a": "A"})] == [None, None, None, "A", "A", "A", "A"]
     with pytest.raises(ValueError, match="choose among"):
         acceptance_runs({}, (1,), ("eagle",))
     # trained peers (speculators' folders) after vLLM's lookup drafters, before the streams

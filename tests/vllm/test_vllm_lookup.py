@@ -13,7 +13,7 @@ import torch
 
 from streamspec.cli import main
 from streamspec.vllm.export import check_drafter_folder, export_for_vllm
-from streamspec.vllm.lookup import lookup_drafts, merge_lookup, parse_lookup, request_texts
+from streamspec.vllm.lookup import SUFFIX_SETTINGS, lookup_drafts, lookup_name, merge_lookup, parse_lookup, request_texts
 
 from test_vllm_export import streamed_checkpoint
 
@@ -153,3 +153,99 @@ def test_calibration_measures_a_lookup_folder_past_gamma(tmp_path):
         calibration_ks(wide, [0, 7])
     with pytest.raises(ValueError, match=r"--ks \[4\]: .* 0 \(off\) or 1\.\.3 a step \(γ = 3\)"):
         calibration_ks(plain, [0, 4])
+
+
+@pytest.mark.parametrize("value", ["suffix:x", "suffix:-1", "suffix:", "sufix", {"method": "suffix", "depth": 3},
+                                   {"method": "suffix", "max_tree_depth": 0}, {"method": "ngram"}])
+def test_suffix_lookup_settings_are_checked(value):
+    with pytest.raises(ValueError, match="suffix"):
+        parse_lookup(value)
+    default = parse_lookup("suffix")
+    assert default == {"method": "suffix", **SUFFIX_SETTINGS} and parse_lookup(default) == default
+    assert parse_lookup("suffix:0")["max_cached_requests"] == 0
+    assert [lookup_name(parse_lookup(v)) for v in ("suffix", "suffix:0", "2:4")] == ["suffix", "suffix:0", "2:4"]
+
+
+def test_a_drafter_folder_with_suffix_lookup(tmp_path):
+    _, ckpt, _ = streamed_checkpoint(tmp_path, "llama")
+    out = tmp_path / "suffix"
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "vllm", "--out", str(out), "--lookup", "suffix:0",
+                 "--layout", "dflash", "--drafts", "5"]) == 0
+    facts = check_drafter_folder(out)["streamspec"]
+    assert facts["lookup"] == {"method": "suffix", **SUFFIX_SETTINGS, "max_cached_requests": 0}
+    assert facts["num_speculative_tokens"] == 5  # past γ: suffix drafts fill those positions too
+
+
+# Fed the same requests step after step, SuffixLookup drafts what vLLM's own suffix drafter would:
+# run in vLLM's environment, where arctic-inference's suffix trees are built (`make vllm`).
+SUFFIX_AGREEMENT = r"""
+import json, sys
+from types import SimpleNamespace
+import numpy as np
+from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+from streamspec.vllm.lookup import SuffixLookup, parse_lookup, request_texts
+
+cached, k = int(sys.argv[1]), 5
+settings = parse_lookup(f"suffix:{cached}")
+config = SimpleNamespace(
+    speculative_config=SimpleNamespace(num_speculative_tokens=k, **{
+        f"suffix_decoding_{name}": value for name, value in settings.items() if name != "method"}),
+    model_config=SimpleNamespace(max_model_len=4096))
+theirs, ours = SuffixDecodingProposer(config), SuffixLookup(settings)
+rng = np.random.default_rng(0)
+motif = rng.integers(3, 40, size=12)
+def text(n):  # repeats of a motif with noise: the trees find matches, and miss some
+    out = np.concatenate([motif] * (n // 12 + 1))[:n].copy()
+    out[rng.random(n) < 0.15] = rng.integers(3, 40)
+    return out
+# each request: id, the step it joins, its prompt, its output (decoded a few tokens a step)
+requests = [(f"r{i}", 2 * i, text(int(rng.integers(8, 30))), text(int(rng.integers(20, 45)))) for i in range(6)]
+steps, compared, nonempty = 40, 0, 0
+done = {}
+for step in range(steps):
+    batch = [r for r in requests if r[1] <= step and done.get(r[0], 0) < len(r[3])]
+    if not batch:
+        continue
+    size = max(len(p) + len(o) for _, _, p, o in batch) + 8
+    tokens = np.zeros((len(batch), size), dtype=np.int32)
+    sampled, lengths = [], []
+    for i, (rid, start, prompt, output) in enumerate(batch):
+        new = int(rng.integers(1, 4)) if rid in done else 1
+        upto = min(done.get(rid, 0) + new, len(output))
+        sampled.append(output[done.get(rid, 0):upto].tolist())
+        done[rid] = upto
+        seq = np.concatenate([prompt, output[:upto]])
+        tokens[i, :len(seq)] = seq
+        lengths.append(len(seq))
+    ids = [r[0] for r in batch]
+    input_batch = SimpleNamespace(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                  num_prompt_tokens=np.array([len(r[2]) for r in batch]),
+                                  num_tokens_no_spec=np.array(lengths), token_ids_cpu=tokens)
+    expected = theirs.propose(k, input_batch, sampled)
+    found = ours.drafts(input_batch, request_texts(input_batch, sampled, len(batch)), k)
+    for a, b in zip(expected, found):
+        assert list(a) == b.tolist(), (step, a, b)
+        compared += 1
+        nonempty += bool(len(a))
+print(json.dumps({"compared": compared, "nonempty": nonempty}))
+"""
+
+
+@pytest.mark.parametrize("cached", [0, 100])
+def test_suffix_lookup_drafts_what_vllms_suffix_drafter_drafts(cached):
+    """The suffix lookup keeps arctic-inference's trees as vLLM's suffix drafter does (each request
+    started from its prompt, given what its text gained, stopped when it leaves the batch; with a
+    global tree of finished requests' outputs or without): step for step, the same drafts."""
+    import subprocess
+
+    from streamspec.vllm.client import check_suffix_decoding, vllm_python
+
+    try:
+        python = vllm_python()
+    except FileNotFoundError as err:  # `make test` builds the environment first
+        pytest.skip(str(err))
+    check_suffix_decoding()  # fails naming the fix (`make vllm`) when the trees are not built
+    proc = subprocess.run([str(python), "-c", SUFFIX_AGREEMENT, str(cached)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["compared"] > 60 and 0 < counts["nonempty"] < counts["compared"]
