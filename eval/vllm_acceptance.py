@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_suffix_decoding()  # raises naming the fix (`make vllm`) before any engine starts
             spec = {"model": vllm_base(args.base), "prompts": prompts, "max_tokens": args.max_new_tokens,
                     "dtype": "float32", "runs": acceptance_runs(folders, concurrency, tuple(args.peers), trained)}
-            results = run_vllm(spec)["runs"]
+            # vLLM's start, then up to 15 minutes a run (long replies one at a time on one thread)
+            results = run_vllm(spec, timeout=600 + 900 * len(spec["runs"]))["runs"]
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         sys.exit(f"vllm_acceptance: error: {err}")
     rows = acceptance_rows(results, checkpoints)
