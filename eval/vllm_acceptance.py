@@ -33,6 +33,7 @@ from streamspec.evaluation.vllm_peers import check_concurrency, vllm_base
 from streamspec.vllm.client import check_suffix_decoding, run_vllm
 from streamspec.vllm.run import check_drafter_folder
 from streamspec.vllm.export import export_for_vllm
+from streamspec.vllm.lookup import parse_lookup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                     folders[row] = export_for_vllm(checkpoint, Path(tmp) / row, layout="dflash", dtype="float32",
                                                    draft_vocab=args.draft_vocab,
                                                    draft_vocab_from=args.draft_vocab_from, lookup=lookup, drafts=drafts)
-            if "suffix" in args.peers or any(str(v).startswith("suffix") for v in args.lookup or []):
+            if "suffix" in args.peers or any(isinstance(parse_lookup(v), dict) for v in args.lookup or []):
                 check_suffix_decoding()  # raises naming the fix (`make vllm`) before any engine starts
             spec = {"model": vllm_base(args.base), "prompts": prompts, "max_tokens": args.max_new_tokens,
                     "dtype": "float32", "runs": acceptance_runs(folders, concurrency, tuple(args.peers), trained)}

@@ -33,9 +33,10 @@ def lookup_row_name(name: str, drafts: int | None, lookup: str | None = None) ->
     """The row of checkpoint `name` with lookup drafts merged: ``NAME+lookup`` (``NAME+suffix``
     for suffix decoding's, ``NAME+suffix0`` for ``suffix:0``), or with K drafts a step asked for
     (``--lookup-drafts``) ``NAME+lookup+KK``."""
-    kind = LOOKUP_SUFFIX
-    if lookup is not None and str(lookup).startswith("suffix"):
-        kind = SUFFIX_ROW + str(lookup).partition(":")[2]
+    from ..vllm.lookup import lookup_name, parse_lookup
+
+    parsed = parse_lookup(lookup)
+    kind = SUFFIX_ROW + lookup_name(parsed).partition(":")[2] if isinstance(parsed, dict) else LOOKUP_SUFFIX
     return f"{name}{kind}" + ("" if drafts is None else f"+K{drafts}")
 
 
