@@ -103,17 +103,24 @@ def lookup_name(lookup: list | dict | None) -> str:
 
 def lookup_drafts(text: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     """Up to `k` tokens that followed the latest earlier occurrence of `text`'s last n tokens, for
-    the longest n in `max_n`..`min_n` that occurs earlier; empty when none does."""
+    the longest n in `max_n`..`min_n` that occurs earlier; empty when none does.
+
+    One pass over the text finds where its last token occurred before (the ends of every earlier
+    match); the matches are then lengthened a token at a time over those ends only, so a step
+    costs one comparison per token of the text whatever MIN and MAX are."""
     text = np.asarray(text)
     size = len(text)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # windows that start early enough to be followed by at least one token of the text
-        windows = np.lib.stride_tricks.sliding_window_view(text[:size - 1], n)
-        hits = np.flatnonzero((windows == text[size - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return text[start:start + k]
-    return text[:0]
+    ends = np.flatnonzero(text[:size - 1] == text[size - 1]) if size > 1 else text[:0]
+    found = None
+    for n in range(1, min(max_n, size - 1) + 1):
+        if n > 1:  # the ends whose match reaches n tokens back: its start inside the text
+            ends = ends[ends >= n - 1]
+            ends = ends[text[ends - (n - 1)] == text[size - n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            found = int(ends[-1]) + 1
+    return text[:0] if found is None else text[found:found + k]
 
 
 def merge_lookup(drafts: Any, texts: list[np.ndarray | None], min_n: int, max_n: int) -> int:
@@ -230,8 +237,8 @@ def request_texts(input_batch, sampled_token_ids, requests: int) -> list[np.ndar
         if new.size == 0:
             texts.append(None)
             continue
-        known = input_batch.token_ids_cpu[i, :int(input_batch.num_tokens_no_spec[i])].astype(np.int64)
-        texts.append(known if appended else np.concatenate([known, new]))
+        known = input_batch.token_ids_cpu[i, :int(input_batch.num_tokens_no_spec[i])]  # a view: read this step only
+        texts.append(known if appended else np.concatenate([known, new.astype(known.dtype)]))
     return texts
 
 
