@@ -72,6 +72,7 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
     folder (`streamspec export --format vllm`, e.g. another layout or a pruned draft vocabulary)
     instead of the checkpoint exported in the default layout."""
     from ..vllm.client import check_suffix_decoding, run_vllm, vllm_python
+    from ..vllm.export import streams_parameters
 
     wanted = [p for p in VLLM_PEERS if p in peers]
     if not wanted:
@@ -109,7 +110,9 @@ def vllm_rows(peers, checkpoint: str, base: str, prompts: list[list[int]], max_n
         results = {r["name"]: r for r in run_vllm(spec, timeout=timeout)["runs"]}
     trained = {peer: drafter_facts(folders[peer]) for peer in folders}
     if "vllm_streams" in wanted:
-        trained["vllm_streams"] = trained["vllm_streams_schedule"] = streams_facts(checkpoint)
+        # a folder of its own may hold other streams than the checkpoint's (e.g. ones that read the next token)
+        facts = {"draft_parameters": streams_parameters(streams_folder)} if streams_folder else streams_facts(checkpoint)
+        trained["vllm_streams"] = trained["vllm_streams_schedule"] = facts
     rows = {}
     for name, result in results.items():
         plain = results[_name("vllm", result["concurrency"])]["outputs"]

@@ -206,6 +206,22 @@ def check_drafts(drafts, num_streams: int, layout: str, lookup: bool) -> None:
                          f"layout{more}, got {drafts!r}")
 
 
+def streams_parameters(folder: str | Path) -> int:
+    """The streams' own parameters in a drafter folder: its tensors less the base's copied top
+    layers and final norm and the draft vocabulary's ids: the stream vectors, adapters and
+    next-token map that training changed (the early-exit head, which only trains, is not exported)."""
+    with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as weights:
+        total = 0
+        for name in weights.keys():
+            if name.startswith("layers.") or name in ("norm.weight", "draft_vocab"):
+                continue
+            count = 1
+            for n in weights.get_slice(name).get_shape():
+                count *= n
+            total += count
+    return total
+
+
 def check_drafter_folder(folder: str | Path) -> dict:
     """Refuse a drafter folder whose tensors are not those its config asks for; returns the config."""
     folder = Path(folder)

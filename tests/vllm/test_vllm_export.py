@@ -15,7 +15,7 @@ from streamspec.cli import main
 from streamspec.patch.saving import CheckpointError
 from streamspec.patch.stream_modules import stream_modules_taken_out
 from streamspec.vllm import ARCHITECTURES
-from streamspec.vllm.export import check_drafter_folder, export_for_vllm
+from streamspec.vllm.export import check_drafter_folder, export_for_vllm, streams_parameters
 from streamspec.vllm.format import check_target
 
 from conftest import make_config
@@ -35,6 +35,11 @@ def streamed_checkpoint(tmp_path, arch: str, seed: int = 0, **config) -> tuple:
             p.normal_(0, 0.2)
     model.save_pretrained(ckpt)
     return base_dir, ckpt, model
+
+
+def drafting_parameters(model) -> int:
+    """The streams' parameters a drafter runs: all but the early-exit head, which only trains."""
+    return sum(p.numel() for n, p in model.streams.named_parameters() if not n.startswith("exit_"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -59,6 +64,7 @@ def test_export_writes_the_top_layers_norm_streams_and_adapters(tmp_path, arch):
     pair = model.streams.adapters.layers[1]["self_attn-q_proj"]
     assert torch.equal(tensors["adapters.1.self_attn-q_proj.up"], pair.up.weight)
     assert torch.equal(tensors["norm.weight"], model.decoder.norm.weight)
+    assert streams_parameters(out) == drafting_parameters(model)
 
 
 def test_export_refuses_what_the_vllm_drafter_cannot_run(tmp_path):
@@ -197,6 +203,7 @@ def test_streams_that_read_the_next_token_export_their_map_in_the_dflash_layout(
     assert facts["next_token_input"] is True
     tensors = load_file(str(out / "model.safetensors"))
     assert torch.equal(tensors["next_token_map.weight"], model.streams.next_token_map.weight)
+    assert streams_parameters(out) == drafting_parameters(model)
     assert not check_drafter_folder(export_for_vllm(streamed_checkpoint(tmp_path / "plain", "llama")[1],
                                                     tmp_path / "plain-dflash"))["streamspec"]["next_token_input"]
     with pytest.raises(CheckpointError, match="--layout dflash"):
