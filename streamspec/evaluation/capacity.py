@@ -21,19 +21,12 @@ RULE = "|---|---|---|---|---|---|---|---|"
 
 def added_parameters(final: Path) -> int | None:
     """The parameters in a run's exported draft weights (streams or Medusa heads), None if absent."""
-    from safetensors import safe_open
+    from ..vllm.export import file_parameters
 
     for name in ("streams.safetensors", "heads.safetensors"):
         path = Path(final) / name
         if path.is_file():
-            with safe_open(str(path), framework="pt") as handle:
-                total = 0
-                for key in handle.keys():
-                    count = 1
-                    for n in handle.get_slice(key).get_shape():
-                        count *= n
-                    total += count
-                return total
+            return file_parameters(path)
     return None
 
 
