@@ -161,11 +161,20 @@ def compute_activations(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return out
 
 
+def length_batches(rows: list[dict], batch_size: int) -> list[list[int]]:
+    """The rows' indices in batches of rows of near length (longest first). A batch is padded to
+    its longest row: in the order of the set, batches of 4 of the chat set (10 to 1,024 tokens a
+    row) would compute 1.65× the tokens they store; sorted within each shard, 1.07×."""
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["input_ids"]))
+    return [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
+
+
 def build_activation_store(model, examples: list[dict], path: str | Path | None = None, batch_size: int = 4,
                            progress: bool = True) -> "ActivationStore":
     """Compute and store the activations of `examples` (``input_ids``/``labels`` lists) for
     `model` (a lossless `StreamedModel` or a `MedusaModel`), or open the store already built for
-    them; a partly built one is resumed at its first missing shard."""
+    them; a partly built one is resumed at its first missing shard. Each shard's rows run in
+    batches of near length (`length_batches`); each row is stored under its own index."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -195,11 +204,10 @@ def build_activation_store(model, examples: list[dict], path: str | Path | None 
         for shard in todo:
             rows = examples[shard * SHARD_SIZE:(shard + 1) * SHARD_SIZE]
             tensors: dict[str, torch.Tensor] = {}
-            for first in range(0, len(rows), batch_size):
-                chunk = rows[first:first + batch_size]
-                batch = {k: v.to(device) for k, v in collate(chunk).items()}
-                for i, stored in enumerate(compute_activations(model, **batch)):
-                    tensors.update({f"{shard * SHARD_SIZE + first + i}.{k}": v for k, v in stored.items()})
+            for chunk in length_batches(rows, batch_size):
+                batch = {k: v.to(device) for k, v in collate([rows[i] for i in chunk]).items()}
+                for i, stored in zip(chunk, compute_activations(model, **batch)):
+                    tensors.update({f"{shard * SHARD_SIZE + i}.{k}": v for k, v in stored.items()})
                 bar.update(len(chunk))
             tmp = folder / (_shard_name(shard) + ".tmp")
             save_file(tensors, str(tmp))

@@ -22,6 +22,7 @@ from streamspec.training.activations import (
     ActivationCollator,
     build_activation_store,
     compute_activations,
+    length_batches,
     needed_positions,
     open_activation_store,
     with_activation_index,
@@ -172,6 +173,14 @@ def test_shared_mode_and_wrong_activations_are_refused():
         model(input_ids=batch["input_ids"], labels=batch["labels"], activations={"hidden": bad["hidden"]})
 
 
+def test_length_batches_hold_every_row_once_longest_first():
+    rows = _examples(21, seed=3)
+    batches = length_batches(rows, 4)
+    assert sorted(i for b in batches for i in b) == list(range(21)) and [len(b) for b in batches] == [4] * 5 + [1]
+    lengths = [len(rows[i]["input_ids"]) for b in batches for i in b]
+    assert lengths == sorted(lengths, reverse=True)
+
+
 def test_store_round_trip_refusals_and_resume(tmp_path):
     model = _streamed("qwen2")
     rows = _examples(SHARD_SIZE + 5, seed=7)  # two shards
@@ -180,9 +189,14 @@ def test_store_round_trip_refusals_and_resume(tmp_path):
     assert len(store) == len(rows) and store.bytes() > 0
     meta = json.loads((folder / STORE_FILE).read_text())
     assert meta["complete"] and meta["settings"]["examples"] == len(rows) and meta["command"]
-    expected = compute_activations(model, **PadCollator(0)(rows[3:4]))[0]
-    for key, value in expected.items():
-        assert torch.allclose(store[3][key].to(value.dtype), value, atol=1e-5), key
+    # rows run in batches of near length, each stored under its own index: every row holds what
+    # it computes alone
+    for index, row in enumerate(rows):
+        expected = compute_activations(model, **PadCollator(0)([row]))[0]
+        assert set(store[index]) == set(expected)
+        for key, value in expected.items():
+            assert torch.equal(store[index]["input_ids"], value) if key == "input_ids" else \
+                torch.allclose(store[index][key].to(value.dtype), value, atol=1e-5), (index, key)
 
     # refused: another base of the same shape, other examples
     with pytest.raises(ValueError, match="weights_sha256"):
