@@ -172,6 +172,9 @@ class TrainingArgs:
     # trained streams (or Medusa heads) to start from instead of fresh ones: a checkpoint folder
     # or shipped weights by name; the same base and stream config as this recipe, or refused
     init_from: str | None = None
+    # batches of examples of near length (each batch drawn from a shuffled group of 50 batches,
+    # then sorted), so a batch pads little: sets of mixed lengths (chat) train faster per example
+    group_by_length: bool = False
     # a wall-clock budget: training stops after the first step that ends past it (then saves and
     # exports as at the end of a run); null: no budget. `--resume` goes on from the last checkpoint.
     max_minutes: float | None = None

@@ -66,7 +66,7 @@ STUDIES: dict[str, Study] = {
         Point("next-token", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.next_token_input": True}),
     ), "capacity at fixed data (30% of the SQL set, one pass): adapter rank 64 / 128 / 256 / full, Ns 4 / 6, "
        "and the streams reading the next token"),
-    # the chat recipe trains online from fresh streams already; its shares of the whole chat set
+    # the chat recipe trains from fresh streams already, offline; its shares of the whole chat set
     "chat-data": Study(CHAT, (
         Point("data-10", {"data.train_fraction": 0.1, "training.report_to": "none"}),
         Point("data-30", {"data.train_fraction": 0.3, "training.report_to": "none"}),

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "training_summary.json"
 RECIPE_FILE = "recipe.yaml"
+LENGTH_COLUMN = "length"  # the rows' token counts, with training.group_by_length
 
 
 class StreamTrainer(Trainer):
@@ -226,6 +227,12 @@ def summarize_counts(sums: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
+def with_lengths(dataset):
+    """The rows' token counts as a `LENGTH_COLUMN` column (what `training.group_by_length` sorts by)."""
+    return dataset.map(lambda rows: {LENGTH_COLUMN: [len(ids) for ids in rows["input_ids"]]}, batched=True,
+                       desc="row lengths")
+
+
 def training_arguments(recipe: Recipe) -> TrainingArguments:
     t = recipe.training
     return TrainingArguments(
@@ -258,6 +265,8 @@ def training_arguments(recipe: Recipe) -> TrainingArguments:
         deepspeed=t.deepspeed,
         remove_unused_columns=False,
         label_names=["labels"],
+        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
+        length_column_name=LENGTH_COLUMN,
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         # Several CPU processes (torchrun/deepspeed without GPUs) talk over gloo.
@@ -329,6 +338,9 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
         logger.warning("training on %d of %d examples (data.train_fraction=%s)", len(keep), len(train_set),
                        recipe.data.train_fraction)
         train_set = train_set.select(keep)
+    if recipe.training.group_by_length:  # transformers orders the validation rows by length too
+        train_set = with_lengths(train_set)
+        validation_set = None if validation_set is None else with_lengths(validation_set)
     if recipe.training.gradient_checkpointing and isinstance(model, StreamedModel):
         model.hf_model.gradient_checkpointing_enable()
     trainer = StreamTrainer(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 
 from conftest import ARCHS, make_model
 from streamspec import StreamConfig, add_streams
@@ -28,7 +29,7 @@ from streamspec.training.activations import (
     with_activation_index,
 )
 from streamspec.training.recipe import load_recipe, recipe_from_dict
-from streamspec.training.trainer import evaluation_counts, run_training
+from streamspec.training.trainer import LENGTH_COLUMN, evaluation_counts, run_training, training_arguments, with_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -275,3 +276,40 @@ def test_a_train_fraction_trains_on_its_share_through_the_whole_sets_store(tiny_
     assert store["complete"]
     assert store["settings"]["examples"] == 12  # the whole set's store (8 train + 4 validation), not the share's
     assert offline["validation"][-1]["eval_stream_1_top1"] == pytest.approx(online["validation"][-1]["eval_stream_1_top1"])
+
+
+def test_length_grouped_batches_train_the_same_curve_online_and_offline(tiny_dir, tmp_path, monkeypatch):
+    """`training.group_by_length`: transformers' length-grouped sampler orders the rows by their
+    `length` column (added to the training set), and offline rows still find their own stored
+    activations in that order."""
+    import transformers.trainer
+
+    seen = []
+
+    class Recording(transformers.trainer.LengthGroupedSampler):
+        def __init__(self, *args, lengths=None, **kwargs):
+            seen.append(None if lengths is None else list(lengths))
+            super().__init__(*args, lengths=lengths, **kwargs)
+
+    monkeypatch.setattr(transformers.trainer, "LengthGroupedSampler", Recording)
+    recipe_path = ROOT / "recipes" / "smollm2-135m" / "sql_streams_distilled.yaml"
+    grouped = {"training.group_by_length": "true"}
+    args = training_arguments(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "args", **grouped)))
+    assert (args.train_sampling_strategy, args.length_column_name) == ("group_by_length", LENGTH_COLUMN)
+    assert training_arguments(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "args"))
+                              ).train_sampling_strategy == "random"
+    assert with_lengths(Dataset.from_dict({"input_ids": [[5, 6, 7], [8]]}))[LENGTH_COLUMN] == [3, 1]
+    online = run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "online", **grouped)))
+    offline = run_training(load_recipe(recipe_path, _offline_overrides(
+        tiny_dir, tmp_path / "offline", **grouped, **{"data.cache_activations": "true",
+                                                      "data.activations_path": str(tmp_path / "store")})))
+    assert offline["steps"] == online["steps"] == 4
+    history = {}
+    for name in ("online", "offline"):
+        state = json.loads((tmp_path / name / "checkpoint-4" / "trainer_state.json").read_text())
+        history[name] = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert history["offline"] == pytest.approx(history["online"], rel=1e-4)
+    # the training rows (8, of different lengths) and the validation rows (4; transformers orders
+    # them by length too) came with their token counts, in both runs
+    assert seen and None not in seen and sorted({len(s) for s in seen}) == [4, 8]
+    assert all(len(set(s)) > 1 for s in seen if len(s) == 8)
