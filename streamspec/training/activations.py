@@ -163,8 +163,8 @@ def compute_activations(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def length_batches(rows: list[dict], batch_size: int) -> list[list[int]]:
     """The rows' indices in batches of rows of near length (longest first). A batch is padded to
-    its longest row: in the order of the set, batches of 4 of the chat set (10 to 1,024 tokens a
-    row) would compute 1.65× the tokens they store; sorted within each shard, 1.07×."""
+    its longest row: in the order of the set, batches of 8 of the chat set (10 to 1,024 tokens a
+    row) would compute 2.05× the tokens they store; sorted within each shard, 1.19×."""
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["input_ids"]))
     return [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
 
