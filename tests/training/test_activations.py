@@ -248,18 +248,25 @@ def _offline_overrides(tiny_dir, out, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def test_offline_recipe_trains_the_same_curve_as_online(tiny_dir, tmp_path):
-    recipe_path = ROOT / "recipes" / "smollm2-135m" / "sql_streams_distilled.yaml"
-    online = run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "online")))
+def _online_and_offline_runs(recipe_path, tiny_dir, tmp_path, **extra):
+    """The recipe trained 4 steps online and offline (`extra` overrides both): the two runs'
+    summaries, after checking that their loss curves are the same."""
+    online = run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "online", **extra)))
     offline = run_training(load_recipe(recipe_path, _offline_overrides(
-        tiny_dir, tmp_path / "offline", **{"data.cache_activations": "true",
-                                           "data.activations_path": str(tmp_path / "store")})))
+        tiny_dir, tmp_path / "offline", **extra, **{"data.cache_activations": "true",
+                                                    "data.activations_path": str(tmp_path / "store")})))
     assert offline["steps"] == online["steps"] == 4
     history = {}
     for name in ("online", "offline"):
         state = json.loads((tmp_path / name / "checkpoint-4" / "trainer_state.json").read_text())
         history[name] = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert history["offline"] == pytest.approx(history["online"], rel=1e-4)
+    return online, offline
+
+
+def test_offline_recipe_trains_the_same_curve_as_online(tiny_dir, tmp_path):
+    recipe_path = ROOT / "recipes" / "smollm2-135m" / "sql_streams_distilled.yaml"
+    online, offline = _online_and_offline_runs(recipe_path, tiny_dir, tmp_path)
     assert offline["validation"][-1]["eval_stream_1_top1"] == pytest.approx(online["validation"][-1]["eval_stream_1_top1"])
     assert (tmp_path / "store" / STORE_FILE).is_file()
 
@@ -299,16 +306,7 @@ def test_length_grouped_batches_train_the_same_curve_online_and_offline(tiny_dir
     assert training_arguments(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "args"))
                               ).train_sampling_strategy == "random"
     assert with_lengths(Dataset.from_dict({"input_ids": [[5, 6, 7], [8]]}))[LENGTH_COLUMN] == [3, 1]
-    online = run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "online", **grouped)))
-    offline = run_training(load_recipe(recipe_path, _offline_overrides(
-        tiny_dir, tmp_path / "offline", **grouped, **{"data.cache_activations": "true",
-                                                      "data.activations_path": str(tmp_path / "store")})))
-    assert offline["steps"] == online["steps"] == 4
-    history = {}
-    for name in ("online", "offline"):
-        state = json.loads((tmp_path / name / "checkpoint-4" / "trainer_state.json").read_text())
-        history[name] = [h["loss"] for h in state["log_history"] if "loss" in h]
-    assert history["offline"] == pytest.approx(history["online"], rel=1e-4)
+    _online_and_offline_runs(recipe_path, tiny_dir, tmp_path, **grouped)
     # the training rows (8, of different lengths) and the validation rows (4; transformers orders
     # them by length too) came with their token counts, in both runs
     assert seen and None not in seen and sorted({len(s) for s in seen}) == [4, 8]
