@@ -311,3 +311,22 @@ def test_length_grouped_batches_train_the_same_curve_online_and_offline(tiny_dir
     # them by length too) came with their token counts, in both runs
     assert seen and None not in seen and sorted({len(s) for s in seen}) == [4, 8]
     assert all(len(set(s)) > 1 for s in seen if len(s) == 8)
+
+
+def test_a_length_grouped_offline_run_resumes_on_the_same_curve(tiny_dir, tmp_path):
+    """Stopped after step 2 and resumed from that checkpoint, a `group_by_length` run draws the same
+    batches as the run that went on (the sampler's order comes from the seeded generator)."""
+    import shutil
+
+    recipe_path = ROOT / "recipes" / "smollm2-135m" / "sql_streams_distilled.yaml"
+    settings = {"training.group_by_length": "true", "data.cache_activations": "true",
+                "data.activations_path": str(tmp_path / "store"), "data.max_train_examples": 32}
+    run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "straight", **settings)))
+    shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "resumed", **settings)), resume=True)
+    losses = {}
+    for name in ("straight", "resumed"):
+        state = json.loads((tmp_path / name / "checkpoint-4" / "trainer_state.json").read_text())
+        losses[name] = {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h and h["step"] > 2}
+    assert sorted(losses["straight"]) == [3, 4]
+    assert losses["resumed"] == pytest.approx(losses["straight"], rel=1e-5)
