@@ -172,8 +172,8 @@ class TrainingArgs:
     # trained streams (or Medusa heads) to start from instead of fresh ones: a checkpoint folder
     # or shipped weights by name; the same base and stream config as this recipe, or refused
     init_from: str | None = None
-    # batches of examples of near length (each batch drawn from a shuffled group of 50 batches,
-    # then sorted), so a batch pads little: sets of mixed lengths (chat) train faster per example
+    # batches of examples of near length (transformers' length-grouped sampler: a shuffled group
+    # of up to 50 batches' examples, sorted), so a batch of a set of mixed lengths pads little
     group_by_length: bool = False
     # a wall-clock budget: training stops after the first step that ends past it (then saves and
     # exports as at the end of a run); null: no budget. `--resume` goes on from the last checkpoint.
