@@ -21,7 +21,7 @@ RULE = "|---|---|---|---|---|---|---|---|"
 
 def added_parameters(final: Path) -> int | None:
     """The parameters in a run's exported draft weights (streams or Medusa heads), None if absent."""
-    from ..vllm.export import file_parameters
+    from ..patch.checkpoint import file_parameters
 
     for name in ("streams.safetensors", "heads.safetensors"):
         path = Path(final) / name

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -335,3 +337,13 @@ def load_training_checkpoint(model: StreamedModel, folder: Path) -> None:
             raise ValueError(f"{folder} holds a LoRA adapter but the model has none")
         load_adapter_weights(model.base, folder / ADAPTER_DIR)
     load_stream_weights(model, folder / WEIGHTS_FILE)
+
+
+def file_parameters(path: str | Path, skip=lambda name: False) -> int:
+    """The parameters in a safetensors file (read from its header), less the tensors `skip` names."""
+    total = 0
+    with safe_open(str(path), framework="pt") as weights:
+        for name in weights.keys():
+            if not skip(name):
+                total += math.prod(weights.get_slice(name).get_shape())
+    return total

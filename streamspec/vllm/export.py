@@ -20,7 +20,6 @@ where vLLM hands the drafter that token (the bonus token's row, `streamspec.vllm
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -207,20 +206,12 @@ def check_drafts(drafts, num_streams: int, layout: str, lookup: bool) -> None:
                          f"layout{more}, got {drafts!r}")
 
 
-def file_parameters(path: str | Path, skip=lambda name: False) -> int:
-    """The parameters in a safetensors file (read from its header), less the tensors `skip` names."""
-    total = 0
-    with safe_open(str(path), framework="pt") as weights:
-        for name in weights.keys():
-            if not skip(name):
-                total += math.prod(weights.get_slice(name).get_shape())
-    return total
-
-
 def streams_parameters(folder: str | Path) -> int:
     """The streams' own parameters in a drafter folder: its tensors less the base's copied top
     layers and final norm and the draft vocabulary's ids: the stream vectors, adapters and
     next-token map that training changed (the early-exit head, which only trains, is not exported)."""
+    from ..patch.checkpoint import file_parameters
+
     return file_parameters(Path(folder) / WEIGHTS_FILE,
                            skip=lambda name: name.startswith("layers.") or name in ("norm.weight", "draft_vocab"))
 
