@@ -248,6 +248,12 @@ def _offline_overrides(tiny_dir, out, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def _step_losses(run) -> dict[int, float]:
+    """A run's logged training loss by step, from its checkpoint-4."""
+    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+
 def _online_and_offline_runs(recipe_path, tiny_dir, tmp_path, **extra):
     """The recipe trained 4 steps online and offline (`extra` overrides both): the two runs'
     summaries, after checking that their loss curves are the same."""
@@ -256,11 +262,7 @@ def _online_and_offline_runs(recipe_path, tiny_dir, tmp_path, **extra):
         tiny_dir, tmp_path / "offline", **extra, **{"data.cache_activations": "true",
                                                     "data.activations_path": str(tmp_path / "store")})))
     assert offline["steps"] == online["steps"] == 4
-    history = {}
-    for name in ("online", "offline"):
-        state = json.loads((tmp_path / name / "checkpoint-4" / "trainer_state.json").read_text())
-        history[name] = [h["loss"] for h in state["log_history"] if "loss" in h]
-    assert history["offline"] == pytest.approx(history["online"], rel=1e-4)
+    assert _step_losses(tmp_path / "offline") == pytest.approx(_step_losses(tmp_path / "online"), rel=1e-4)
     return online, offline
 
 
@@ -324,9 +326,7 @@ def test_a_length_grouped_offline_run_resumes_on_the_same_curve(tiny_dir, tmp_pa
     run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "straight", **settings)))
     shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     run_training(load_recipe(recipe_path, _offline_overrides(tiny_dir, tmp_path / "resumed", **settings)), resume=True)
-    losses = {}
-    for name in ("straight", "resumed"):
-        state = json.loads((tmp_path / name / "checkpoint-4" / "trainer_state.json").read_text())
-        losses[name] = {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h and h["step"] > 2}
-    assert sorted(losses["straight"]) == [3, 4]
-    assert losses["resumed"] == pytest.approx(losses["straight"], rel=1e-5)
+    straight = {step: loss for step, loss in _step_losses(tmp_path / "straight").items() if step > 2}
+    resumed = {step: loss for step, loss in _step_losses(tmp_path / "resumed").items() if step > 2}
+    assert sorted(straight) == [3, 4]
+    assert resumed == pytest.approx(straight, rel=1e-5)
