@@ -1,6 +1,8 @@
 """Seconds per training step and per epoch, online against offline (`data.cache_activations`), on
 the same batches of a recipe's own training examples, measured alternately in one process; the
-store's size per example; and each path's loss per batch (offline must equal online).
+store's size per example; and each path's loss per batch (offline must equal online). Lossless
+streams are timed online both ways: the main stream apart (``online``, the default) and main and
+stream rows as one sequence (``online_rows_together``).
 
     python eval/offline_training_speed.py --recipe recipes/smollm2-135m/sql_streams_distilled.yaml \
         [--steps 6] [--bf16] [key=value overrides ...]

@@ -13,7 +13,7 @@ from transformers.utils import ModelOutput
 from ..arch import sliding_window
 from .layout import carrying_positions, causal, last_real_positions, main_allowed, position_ids_from_mask, stream_slots
 from .loss import cross_entropy_and_hits
-from .objective import check_activations, loss_terms, offline_total_loss, stored_main_counts, total_loss
+from .objective import check_activations, loss_terms, main_outputs, offline_total_loss, stored_main_counts, total_loss
 from .prefix import KVPrefix
 
 
@@ -86,16 +86,18 @@ class TrainingForward:
                 activations for this batch, as `streamspec.training.activations.ActivationCollator`
                 makes them; only the streams run, and loss and gradients equal the online path's.
         """
+        if streams_at not in ("all", "last"):
+            raise ValueError(f"streams_at must be 'all' or 'last', got {streams_at!r}")
+        if streams_at != "all" and labels is not None:
+            raise ValueError("streams_at='last' is for inference; with labels the labels decide which positions carry streams")
+        if activations is None and labels is not None and not return_logits and self.runs_main_apart():
+            activations = self.frozen_main(input_ids, attention_mask, labels, loss_chunk_size)
         if activations is not None:
             if labels is None or return_logits:
                 raise ValueError("activations are for offline training: they need labels and give no logits")
             hidden = self._offline_hidden(input_ids, attention_mask, labels, activations)
             loss, parts = offline_total_loss(self, *hidden, loss_chunk_size)
             return StreamedOutput(loss=loss, loss_parts=parts, stream_mask=hidden[-1])
-        if streams_at not in ("all", "last"):
-            raise ValueError(f"streams_at must be 'all' or 'last', got {streams_at!r}")
-        if streams_at != "all" and labels is not None:
-            raise ValueError("streams_at='last' is for inference; with labels the labels decide which positions carry streams")
         lower, main, streams, index, valid, carry, labels = self._hidden(input_ids, attention_mask, labels, streams_at)
         if return_logits is None:
             return_logits = labels is None
@@ -145,6 +147,8 @@ class TrainingForward:
             raise ValueError("evaluate_counts needs labels")
         head = self.hf_model.get_output_embeddings()
         sums: dict[str, float] = {}
+        if activations is None and self.runs_main_apart():
+            activations = self.frozen_main(input_ids, attention_mask, labels, chunk_size)
         if activations is not None:
             lower, streams, index, valid, labels, stored, _ = self._offline_hidden(input_ids, attention_mask, labels, activations)
             sums.update(stored_main_counts(labels, stored))
@@ -179,12 +183,49 @@ class TrainingForward:
                                        next_tokens=self._next_tokens(input_ids, index))
         return lower, main, streams, index, valid, carry, labels
 
+    #: False: training and validation run the main rows through the MSA layers with the stream
+    #: rows even when `runs_main_apart` could (the path of shared mode; a reference for the tests
+    #: and for `streamspec.training.profiling.offline_step_time`)
+    main_apart: bool = True
+
+    def runs_main_apart(self) -> bool:
+        """Lossless mode with the base frozen: the main stream is then a fixed function of the text,
+        so training and validation compute it apart (`frozen_main`, no gradients) and run only the
+        stream rows through the MSA layers with gradients, as offline training does. Not under
+        gradient checkpointing: a checkpointed layer drops the main keys the stream rows read."""
+        return (self.main_apart and self.stream_config.mode == "lossless"
+                and not self.hf_model.is_gradient_checkpointing
+                and not any(p.requires_grad for p in self.base.parameters()))
+
+    @torch.no_grad()
+    def frozen_main(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor,
+                    chunk: int = 256) -> dict[str, torch.Tensor]:
+        """What the frozen main stream computes for a batch (lossless mode), in the layout offline
+        training stores it (`streamspec.training.activations`): ``hidden`` [B, T, h] at the input of
+        layer N−Ns, each MSA layer's main ``keys`` and ``values`` [B, Ns, kv_heads, T, head_dim], and
+        the main term's ``main_ce`` and ``own`` [B, T] (`streamspec.patch.objective.main_outputs`)."""
+        self._require_lossless("frozen_main")
+        if labels is None:
+            raise ValueError("frozen_main needs labels: they say which positions the main term scores")
+        real, labels = self._check_inputs(input_ids, attention_mask, labels)
+        position_ids = position_ids_from_mask(real)
+        main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
+        lower = self.run_lower(input_ids, position_ids, main_ok)
+        final, keys, values = self.capture_main(lower, position_ids, main_ok)
+        layers = sorted(keys)
+        main_ce, own = main_outputs(self.head, final, labels, chunk)
+        return {"hidden": lower, "keys": torch.stack([keys[i] for i in layers], 1),
+                "values": torch.stack([values[i] for i in layers], 1), "own": own, "main_ce": main_ce}
+
     def _offline_hidden(self, input_ids, attention_mask, labels, activations):
-        """`_hidden` from stored activations (lossless mode): the hidden states at the input of layer
-        N−Ns at the carrying positions, the MSA layers' main keys and values, and what the main
-        stream predicted; only the stream rows run. Returns (lower, streams, index, valid, labels,
-        stored, carry)."""
+        """`_hidden` from the frozen main stream's activations (lossless mode; stored, or
+        `frozen_main`'s): the hidden states at the input of layer N−Ns at the carrying positions,
+        the MSA layers' main keys and values, and what the main stream predicted; only the stream
+        rows run. Returns (lower, streams, index, valid, labels, stored, carry)."""
         self._require_lossless("offline training (activations)")
+        if self.hf_model.is_gradient_checkpointing and self.training and torch.is_grad_enabled():
+            raise ValueError("offline training runs only the stream rows, which read the stored main keys that a "
+                             "checkpointed layer drops: turn gradient checkpointing off")
         real, labels = self._check_inputs(input_ids, attention_mask, labels)
         stored = check_activations(activations, input_ids.shape, len(self.layers) - self.num_lower_layers)
         carry = carrying_positions(real, labels)

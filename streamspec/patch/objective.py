@@ -55,6 +55,29 @@ def main_predictions(model: DecoderParts, main, next_labels, norm, chunk: int = 
     return torch.cat([next_labels.new_full((next_labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
 
 
+@torch.no_grad()
+def main_outputs(head, final: torch.Tensor, labels: torch.Tensor, chunk: int = 256):
+    """What the frozen main stream's term needs, from one LM-head call per `chunk` of the rows
+    with a target: ``main_ce`` [B, T] float32, the main stream's CE at t for the token at t+1 (0
+    without one), and ``own`` [B, T], its top-1 predictions at the positions they predict
+    (`main_predictions`: the targets of ``stream_targets: main``; -100 without one). `head` maps
+    final hidden states to logits (final norm included)."""
+    next_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+    keep = next_labels != -100
+    rows, targets = final[keep], next_labels[keep]
+    main_ce = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    predicted = torch.full_like(next_labels, -100)
+    if rows.shape[0]:
+        ce, top = [], []
+        for start in range(0, rows.shape[0], chunk):
+            logits = head(rows[start : start + chunk]).float()
+            ce.append(torch.nn.functional.cross_entropy(logits, targets[start : start + chunk], reduction="none"))
+            top.append(logits.argmax(-1))
+        main_ce[keep], predicted[keep] = torch.cat(ce), torch.cat(top)
+    own = torch.cat([next_labels.new_full((labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
+    return main_ce, own
+
+
 def total_loss(model: DecoderParts, terms, chunk):
     """Weighted sum of the terms' cross-entropies, each a mean over its rows with a target;
     only those rows go through the LM head. The early-exit term (last) reaches only its
@@ -130,8 +153,9 @@ def stored_main_counts(labels: torch.Tensor, stored: dict) -> dict[str, float]:
 
 
 def offline_total_loss(model: DecoderParts, lower, streams, index, valid, labels, stored, carry, chunk):
-    """`total_loss` of the online path from stored activations: the stream and early-exit terms
-    computed, the main term read from the stored CE (with its weight: it adds a constant)."""
+    """`total_loss` from the frozen main stream's activations (stored, or computed for the batch
+    in lossless mode: `TrainingForward.frozen_main`): the stream and early-exit terms computed, the
+    main term read from the main stream's CE (with its weight: it adds a constant)."""
     terms = loss_terms(model, lower, None, streams, index, valid, labels, own=stored.get("own"))
     loss, parts = total_loss(model, terms, chunk)
     main = stored_main_mean(labels, stored)

@@ -41,6 +41,7 @@ import torch
 
 from ..data.build import PadCollator
 from ..patch.layout import causal, main_allowed, position_ids_from_mask
+from ..patch.objective import main_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -125,28 +126,15 @@ def compute_activations(model, input_ids: torch.Tensor, attention_mask: torch.Te
     from ..patch.model import StreamedModel
 
     real = attention_mask.bool()
-    positions = position_ids_from_mask(real)
-    main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
-    lower = model.run_lower(input_ids, positions, main_ok)
-    streams = isinstance(model, StreamedModel)
-    if streams:
-        final, keys, values = model.capture_main(lower, positions, main_ok)
-        layer_ids = sorted(keys)
-        kv = (torch.stack([keys[i] for i in layer_ids], 1), torch.stack([values[i] for i in layer_ids], 1))
-        lookahead = 0
-    else:
-        final, kv, lookahead = lower, None, model.medusa_config.num_heads
-    # the main stream's own predictions (`main_predictions`: the targets of stream_targets main)
-    # and its cross-entropy, from one LM-head call over the rows with a target
-    next_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-    main_ce = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-    predicted = torch.full_like(next_labels, -100)
-    keep = next_labels != -100
-    if keep.any():
-        logits = model.head(final[keep]).float()
-        main_ce[keep] = torch.nn.functional.cross_entropy(logits, next_labels[keep], reduction="none")
-        predicted[keep] = logits.argmax(-1)
-    own = torch.cat([next_labels.new_full((labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
+    if isinstance(model, StreamedModel):
+        batch = model.frozen_main(input_ids, attention_mask, labels)
+        lower, own, main_ce, lookahead = batch["hidden"], batch["own"], batch["main_ce"], 0
+        kv = batch["keys"], batch["values"]
+    else:  # Medusa heads read the last layer's output
+        positions = position_ids_from_mask(real)
+        lower = model.run_lower(input_ids, positions, main_allowed(causal(input_ids.shape[1], input_ids.device), real))
+        main_ce, own = main_outputs(model.head, lower, labels)
+        kv, lookahead = None, model.medusa_config.num_heads
     out = []
     for b in range(input_ids.shape[0]):
         n = int(real[b].sum())

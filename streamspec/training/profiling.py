@@ -95,6 +95,9 @@ def train_step_time_ratio(steps: int = 6, batch: int = 4, seed: int = 0) -> dict
             model.zero_grad(set_to_none=True)
             if i > 0:
                 times[name].append(elapsed)
+    for m, _, _ in variants.values():
+        if hasattr(m, "main_apart"):
+            m.main_apart = True
     medians = {name: statistics.median(values) for name, values in times.items()}
     tokens = [int(b["attention_mask"].sum()) for b in batches]
     targets = [int((b["labels"] != -100).sum()) for b in batches]
@@ -113,7 +116,9 @@ def offline_step_time(recipe_path: str, overrides: list[str] | None = None, step
                       dtypes: tuple[str, ...] = ("float32",)) -> dict:
     """Seconds per training step (forward + backward) of a recipe online and offline
     (``data.cache_activations``), on the same batches of the recipe's own training examples,
-    measured alternately in one process; also the loss of each path on each batch (they must
+    measured alternately in one process (for lossless streams online both ways: the main stream
+    apart, the default, and ``online_rows_together``, main and stream rows through the MSA
+    layers together); also the loss of each path on each batch (they must
     agree), the store's size and build time, and the seconds an epoch would take each way.
 
     With ``dtypes=("float32", "bfloat16")`` the offline step is also timed on a bfloat16 copy of
@@ -139,7 +144,11 @@ def offline_step_time(recipe_path: str, overrides: list[str] | None = None, step
     pad = PadCollator(tokenizer.pad_token_id)
     results: dict = {"recipe": str(recipe_path), "overrides": overrides or [], "batch": batch,
                      "epoch_examples": epoch_examples, "threads": torch.get_num_threads()}
-    variants = {"online": (model, None)}
+    # online: lossless streams run the main stream apart (`runs_main_apart`); the earlier online
+    # path, main and stream rows through the MSA layers together, is timed beside it
+    variants = {"online": (model, None, True)}
+    if getattr(model, "runs_main_apart", lambda: False)():
+        variants["online_rows_together"] = (model, None, False)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(store) if store else Path(tmp)
         for dtype in dtypes:
@@ -148,14 +157,16 @@ def offline_step_time(recipe_path: str, overrides: list[str] | None = None, step
             built = build_activation_store(variant, rows, path=folder / dtype, batch_size=batch)
             results[f"store_{dtype}"] = {"seconds": round(time.perf_counter() - start, 1), "bytes": built.bytes(),
                                          "bytes_per_example": round(built.bytes() / len(rows))}
-            variants[f"offline_{dtype}"] = (variant, ActivationCollator(tokenizer.pad_token_id, built))
+            variants[f"offline_{dtype}"] = (variant, ActivationCollator(tokenizer.pad_token_id, built), True)
         indexed = with_activation_index(rows)
         batches = [indexed[i : i + batch] for i in range(0, len(indexed) - batch + 1, batch)]
         times: dict[str, list[float]] = {name: [] for name in variants}
         losses: dict[str, list[float]] = {name: [] for name in variants}
         for i, rows_of_batch in enumerate(batches):  # the first batch warms every variant up, untimed
-            for name, (m, collate) in variants.items():
+            for name, (m, collate, apart) in variants.items():
                 inputs = (collate or pad)(rows_of_batch)
+                if hasattr(m, "main_apart"):
+                    m.main_apart = apart
                 start = time.perf_counter()
                 loss = m(**inputs).loss
                 loss.backward()

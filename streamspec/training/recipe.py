@@ -224,6 +224,10 @@ class Recipe:
         if self.data.cache_activations and (self.streams is None or self.streams.mode != "lossless"):
             raise ValueError("data.cache_activations stores what the frozen base computes: it needs streams.mode "
                              "'lossless' or a medusa section (in shared mode and next-token training the base trains)")
+        if self.data.cache_activations and self.training.gradient_checkpointing:
+            raise ValueError("data.cache_activations runs only the stream rows, which read the stored main keys that a "
+                             "checkpointed layer drops: set training.gradient_checkpointing=false (offline training "
+                             "keeps the activations of the stream rows alone)")
         if self.data.cache_activations and self.training.deepspeed:
             raise ValueError("data.cache_activations trains only the streams on one process: remove training.deepspeed")
         if self.data.distill.enabled and (self.streams is None or self.streams.mode != "lossless"):

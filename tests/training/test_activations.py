@@ -101,6 +101,43 @@ class _base_never_runs_below:
             h.remove()
 
 
+class _main_rows_with_streams:
+    """The reference path of lossless streams: main and stream rows through the MSA layers
+    together (`run_upper`), instead of the main stream apart (`frozen_main`). Medusa heads have
+    one path: nothing changes."""
+
+    def __init__(self, model):
+        self.model = model if hasattr(model, "main_apart") else None
+
+    def __enter__(self):
+        if self.model is not None:
+            self.model.main_apart = False
+
+    def __exit__(self, *exc):
+        if self.model is not None:
+            del self.model.main_apart
+            assert self.model.runs_main_apart()
+
+
+class _main_rows_apart:
+    """Lossless streams train and validate with the main stream computed apart: `run_upper` (main
+    and stream rows together) must not run."""
+
+    def __init__(self, model):
+        self.model = model if hasattr(model, "main_apart") else None
+
+    def __enter__(self):
+        def refuse(*args, **kwargs):
+            raise AssertionError("run_upper ran: the main rows went through the MSA layers with the streams")
+
+        if self.model is not None:
+            self.model.run_upper = refuse
+
+    def __exit__(self, *exc):
+        if self.model is not None:
+            del self.model.run_upper
+
+
 def _trainable_grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
@@ -114,24 +151,34 @@ def _loss_and_grads(model, **inputs):
 
 def _assert_offline_equals_online(model, rows, tol: float) -> None:
     """Loss (and its parts), gradients of every trainable weight and validation counts of the
-    offline path equal the online path's on the same batch; offline, the lower layers never run."""
+    offline path and of the online one (for lossless streams: the main stream computed apart,
+    `frozen_main`) equal the reference's on the same batch (main and stream rows through the MSA
+    layers together); offline, the lower layers never run."""
     batch = _offline_batch(model, rows)
     plain = {k: v for k, v in batch.items() if k != "activations"}
-    online, online_grads = _loss_and_grads(model, **plain)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with _main_rows_with_streams(model):
+        reference, reference_grads = _loss_and_grads(model, **plain)
+        reference_counts = evaluation_counts(model, plain)
+    reference_grads = {n: g for n, g in reference_grads.items() if n in trainable}
+    with _main_rows_apart(model):
+        online, online_grads = _loss_and_grads(model, **plain)
+        online_counts = evaluation_counts(model, plain)
     with _base_never_runs_below(model):
         offline, offline_grads = _loss_and_grads(model, **batch)
-    assert set(offline.loss_parts) == set(online.loss_parts)
-    for name, value in online.loss_parts.items():
-        assert torch.allclose(offline.loss_parts[name], value, atol=tol, rtol=tol), name
-    assert torch.allclose(offline.loss, online.loss, atol=tol, rtol=tol)
-    assert set(offline_grads) == set(online_grads) and online_grads
-    for name, grad in online_grads.items():
-        assert torch.allclose(offline_grads[name], grad, atol=tol, rtol=10 * tol), name
+    for run, grads, counts in ((online, online_grads, online_counts),
+                               (offline, offline_grads, evaluation_counts(model, batch))):
+        assert set(run.loss_parts) == set(reference.loss_parts)
+        for name, value in reference.loss_parts.items():
+            assert torch.allclose(run.loss_parts[name], value, atol=tol, rtol=tol), name
+        assert torch.allclose(run.loss, reference.loss, atol=tol, rtol=tol)
+        assert set(grads) == set(reference_grads) and reference_grads
+        for name, grad in reference_grads.items():
+            assert torch.allclose(grads[name], grad, atol=tol, rtol=10 * tol), name
+        assert set(counts) == set(reference_counts)
+        for key, value in reference_counts.items():
+            assert counts[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
     assert not any(p.requires_grad for p in model.base.parameters())  # the base never trains
-    online_counts, offline_counts = evaluation_counts(model, plain), evaluation_counts(model, batch)
-    assert set(online_counts) == set(offline_counts)
-    for key, value in online_counts.items():
-        assert offline_counts[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -172,6 +219,11 @@ def test_shared_mode_and_wrong_activations_are_refused():
               activations=bad)
     with pytest.raises(ValueError, match="lack"):
         model(input_ids=batch["input_ids"], labels=batch["labels"], activations={"hidden": bad["hidden"]})
+    model.train().hf_model.gradient_checkpointing_enable()  # a checkpointed layer would drop the stored keys
+    with pytest.raises(ValueError, match="gradient checkpointing off"):
+        model(**batch)
+    assert not model.runs_main_apart()  # online, the main and stream rows then run together
+    model(**{k: v for k, v in batch.items() if k != "activations"}).loss.backward()
 
 
 def test_length_batches_hold_every_row_once_longest_first():
@@ -232,6 +284,9 @@ def test_recipe_key_checks():
         recipe_from_dict({"streams": None, "data": {"cache_activations": True}})
     with pytest.raises(ValueError, match="activations_path"):
         recipe_from_dict({"data": {"activations_path": "x"}})
+    with pytest.raises(ValueError, match="gradient_checkpointing=false"):
+        recipe_from_dict({"streams": {"mode": "lossless"}, "lora": {"enabled": False},
+                          "data": {"cache_activations": True}, "training": {"gradient_checkpointing": True}})
     ok = recipe_from_dict({"streams": {"mode": "lossless", "main_weight": 0.0}, "lora": {"enabled": False},
                            "data": {"cache_activations": True}})
     assert ok.data.cache_activations
