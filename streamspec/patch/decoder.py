@@ -133,17 +133,25 @@ class DecoderParts(nn.Module):
             return None
         return getattr(self.decoder, self.arch.rotary)(hidden, position_ids)
 
+    def causal_alone(self, real: torch.Tensor) -> bool:
+        """Whether the main rows of a batch with real positions `real` [B, T] need no mask: every
+        row's real tokens come first (right padding, or none) and the attention is sdpa, which
+        applies the causal rule itself without a mask (every pad key then follows each real query
+        of its row). Mistral's sliding window is no exception: inputs are never longer than it."""
+        return self.config._attn_implementation == "sdpa" and bool((real[:, 1:] <= real[:, :-1]).all())
+
     def run_lower(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        main_ok: torch.Tensor,
+        main_ok: torch.Tensor | None,
         cache: MainStreamCache | None = None,
     ) -> torch.Tensor:
         """Embeddings and the lower `num_lower_layers` layers over main positions: hidden states
-        at the input of the next layer, [B, T, h]."""
+        at the input of the next layer, [B, T, h]. `main_ok` None: no mask, the attention's own
+        causal rule (`causal_alone`)."""
         hidden = self.arch.embed(self.decoder, input_ids, position_ids)
-        bias = to_bias(main_ok, hidden.dtype)
+        bias = None if main_ok is None else to_bias(main_ok, hidden.dtype)
         rotary = self._rotary(hidden, position_ids)
         if cache is not None:
             cache.main_length = None

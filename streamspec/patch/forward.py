@@ -209,7 +209,9 @@ class TrainingForward:
             raise ValueError("frozen_main needs labels: they say which positions the main term scores")
         real, labels = self._check_inputs(input_ids, attention_mask, labels)
         position_ids = position_ids_from_mask(real)
-        main_ok = main_allowed(causal(input_ids.shape[1], input_ids.device), real)
+        # without a mask where the attention's causal rule is the whole rule (its kernels then skip
+        # the keys after each query); padded rows' outputs are never read
+        main_ok = None if self.causal_alone(real) else main_allowed(causal(input_ids.shape[1], input_ids.device), real)
         lower = self.run_lower(input_ids, position_ids, main_ok)
         final, keys, values = self.capture_main(lower, position_ids, main_ok)
         layers = sorted(keys)

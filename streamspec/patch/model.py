@@ -257,13 +257,15 @@ class StreamedModel(TrainingForward, DecoderParts):
 
     # -- offline training: the frozen main stream computed once (streamspec.training.activations)
     @torch.no_grad()
-    def capture_main(self, lower: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor):
+    def capture_main(self, lower: torch.Tensor, position_ids: torch.Tensor, main_ok: torch.Tensor | None):
         """The main stream through the MSA layers alone (lossless mode: it never sees a stream).
         Returns its final hidden states [B, T, h] and each MSA layer's main keys and values
-        ``{layer_idx: [B, kv_heads, T, head_dim]}`` (what `run_streams` attends to)."""
+        ``{layer_idx: [B, kv_heads, T, head_dim]}`` (what `run_streams` attends to). `main_ok`
+        None: no mask, the attention's own causal rule (`causal_alone`)."""
         self._require_lossless("capture_main")
         capture = KVCapture()
-        main = self._run_msa(lower, position_ids, to_bias(main_ok, lower.dtype), capture, num_main=lower.shape[1])
+        bias = None if main_ok is None else to_bias(main_ok, lower.dtype)
+        main = self._run_msa(lower, position_ids, bias, capture, num_main=lower.shape[1])
         expected = list(range(self.num_lower_layers, len(self.layers)))
         if sorted(capture.keys) != expected:
             raise RuntimeError(f"the MSA layers reported keys for layers {sorted(capture.keys)}, expected {expected}")

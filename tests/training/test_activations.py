@@ -190,6 +190,37 @@ def test_offline_streams_give_the_online_losses_and_gradients(arch, config):
     _assert_offline_equals_online(_streamed(arch, **config), _examples(5, seed=3), tol=1e-5)
 
 
+def _left_padded(batch: dict) -> dict:
+    """The same rows with their padding moved to the front."""
+    out = {k: v.clone() for k, v in batch.items()}
+    for b, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+        for key in out:
+            out[key][b] = batch[key][b].roll(batch[key].shape[1] - n)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_main_stream_apart_is_masked_only_where_the_causal_rule_is_not_enough(arch):
+    """Right-padded rows under sdpa need no mask in the main stream (the kernels' causal rule);
+    left-padded rows, and eager attention, keep theirs; every way gives the reference's losses."""
+    rows = _examples(4, seed=7)
+    right = PadCollator(0)(rows)
+    left = _left_padded(right)
+    model = _streamed(arch)
+    assert model.causal_alone(right["attention_mask"].bool())
+    assert not model.causal_alone(left["attention_mask"].bool())
+    for batch in (right, left):
+        with _main_rows_with_streams(model):
+            reference = model(**batch).loss_parts
+        with _main_rows_apart(model):
+            parts = model(**batch).loss_parts
+        for name, value in reference.items():
+            assert torch.allclose(parts[name], value, atol=1e-5, rtol=1e-5), name
+    torch.manual_seed(0)
+    eager = add_streams(make_model(arch, attn_implementation="eager"), StreamConfig(mode="lossless", stream_layers=2))
+    assert not eager.causal_alone(right["attention_mask"].bool())
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_offline_medusa_heads_give_the_online_losses_and_gradients(arch):
     model = add_medusa_heads(_sharp(make_model(arch)), MedusaConfig(num_heads=3))
