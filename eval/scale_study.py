@@ -9,8 +9,10 @@ each resumable, measure each point's chain on held-out prompts
     python eval/scale_study.py --study sql-data --set data.activations_path=runs/store-sql-scale
 
 A stopped study continues with the same command (finished points are kept, a point with a
-checkpoint resumes from it, a measured point is not measured again). Run it from the repository
-root: the recipes' data folders are relative to it.
+checkpoint resumes from it, a measured point is not measured again). `--max-minutes M` stops
+training after M minutes with a checkpoint (a study longer than the time a machine is held runs
+as several such commands). Run it from the repository root: the recipes' data folders are
+relative to it.
 """
 
 import argparse
@@ -18,7 +20,7 @@ import sys
 
 from streamspec.evaluation.capacity import capacity_table
 from streamspec.evaluation.study import evaluate_chain
-from streamspec.training.study import STUDIES, train_study
+from streamspec.training.study import STUDIES, point_finished, point_progress, train_study
 
 
 def main() -> None:
@@ -33,13 +35,23 @@ def main() -> None:
                         help="the held-out prompts each point is measured on (default: the study's: sql, or chat's "
                              "MT-bench first turns for chat-data)")
     parser.add_argument("--limit", type=int, default=30, help="held-out prompts each point is measured on")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="stop training after this many minutes, the point in training with a checkpoint; the "
+                             "same command continues it (default: no budget)")
     args = parser.parse_args()
     try:
-        study, points, runs = train_study(args.study, args.out, args.points, overrides=args.set)
+        study, points, runs = train_study(args.study, args.out, args.points, overrides=args.set,
+                                          max_minutes=args.max_minutes)
+        done = [(point, run) for point, run in zip(points, runs) if point_finished(run)]
+        for point, run in zip(points, runs):
+            if not point_finished(run):
+                print(f"{point.name}: {point_progress(run)}; the same command continues it")
+        if not done:
+            return
         evals = None if args.no_eval else [
             evaluate_chain(run / "final", run.parent / f"eval-{point.name}", args.task or study.task, args.limit)
-            for point, run in zip(points, runs)]
-        print(f"{study.about}\n\n{capacity_table(runs, evals)}")
+            for point, run in done]
+        print(f"{study.about}\n\n{capacity_table([run for _, run in done], evals)}")
     except (FileNotFoundError, ValueError) as err:
         sys.exit(f"scale_study: error: {err}")
 

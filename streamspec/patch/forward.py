@@ -194,8 +194,15 @@ class TrainingForward:
         stream rows through the MSA layers with gradients, as offline training does. Not under
         gradient checkpointing: a checkpointed layer drops the main keys the stream rows read."""
         return (self.main_apart and self.stream_config.mode == "lossless"
-                and not self.hf_model.is_gradient_checkpointing
+                and not self._checkpointing()
                 and not any(p.requires_grad for p in self.base.parameters()))
+
+    def _checkpointing(self) -> bool:
+        """Whether the base's layers run under gradient (activation) checkpointing."""
+        hf = self.hf_model
+        # transformers 5 names it is_activation_checkpointing (is_gradient_checkpointing before)
+        return bool(hf.is_activation_checkpointing if hasattr(type(hf), "is_activation_checkpointing")
+                    else hf.is_gradient_checkpointing)
 
     @torch.no_grad()
     def frozen_main(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor,
@@ -225,7 +232,7 @@ class TrainingForward:
         the MSA layers' main keys and values, and what the main stream predicted; only the stream
         rows run. Returns (lower, streams, index, valid, labels, stored, carry)."""
         self._require_lossless("offline training (activations)")
-        if self.hf_model.is_gradient_checkpointing and self.training and torch.is_grad_enabled():
+        if self._checkpointing() and self.training and torch.is_grad_enabled():
             raise ValueError("offline training runs only the stream rows, which read the stored main keys that a "
                              "checkpointed layer drops: turn gradient checkpointing off")
         real, labels = self._check_inputs(input_ids, attention_mask, labels)

@@ -5,7 +5,10 @@ what the next run should change (more data, more capacity) is read from one tabl
 
 A point's folder is ``OUT/NAME``. A point whose training finished (``training_summary.json``) is
 not trained again; one with a complete checkpoint resumes from it (a study stopped anywhere, on
-any machine with its folders, continues with the same command).
+any machine with its folders, continues with the same command). With a time budget
+(`train_study`'s ``max_minutes``) the point in training stops with a checkpoint when the budget
+runs out (``training.max_minutes``; its summary says ``stopped_by_time``), later points wait, and
+the same command continues.
 
     python eval/scale_study.py --study sql-data --out runs/study-sql
     python eval/scale_study.py --study chat-data --out runs/study-chat
@@ -13,7 +16,9 @@ any machine with its folders, continues with the same command).
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,15 +112,32 @@ def has_checkpoint(folder: Path) -> bool:
     return any((p / "trainer_state.json").is_file() for p in folder.glob("checkpoint-*"))
 
 
+def point_finished(folder: Path) -> bool:
+    """Whether a point's training ran to its end: a summary, not one of a time budget's stop."""
+    from .trainer import SUMMARY_FILE
+
+    summary = folder / SUMMARY_FILE
+    return summary.is_file() and not json.loads(summary.read_text()).get("stopped_by_time", False)
+
+
+def point_progress(folder: Path) -> str:
+    """Where an unfinished point stands: its latest complete checkpoint's step, or not started."""
+    states = [p / "trainer_state.json" for p in folder.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    if not states:
+        return "not started"
+    state = max((json.loads(p.read_text()) for p in states), key=lambda s: s["global_step"])
+    return f"step {state['global_step']} of {state['max_steps']}"
+
+
 def train_point(study: Study, point: Point, out: Path, recipe_root: Path = Path("."),
                 overrides: list[str] | tuple[str, ...] = ()) -> Path:
     """Train one point (or resume it; nothing when it finished); its output folder."""
     from .recipe import load_recipe
-    from .trainer import SUMMARY_FILE, run_training
+    from .trainer import run_training
 
     folder = out / point.name
-    if (folder / SUMMARY_FILE).is_file():
-        logger.warning("study point %s: trained already (%s)", point.name, folder / SUMMARY_FILE)
+    if point_finished(folder):
+        logger.warning("study point %s: trained already (%s)", point.name, folder)
         return folder
     recipe = load_recipe(recipe_root / study.recipe, point_overrides(point, out, overrides))
     resume = has_checkpoint(folder)
@@ -125,11 +147,31 @@ def train_point(study: Study, point: Point, out: Path, recipe_root: Path = Path(
 
 
 def train_study(name: str, out: str | Path, only: list[str] | None = None, recipe_root: Path = Path("."),
-                overrides: list[str] | tuple[str, ...] = ()) -> tuple[Study, list[Point], list[Path]]:
+                overrides: list[str] | tuple[str, ...] = (), max_minutes: float | None = None,
+                ) -> tuple[Study, list[Point], list[Path]]:
     """Train a study's points in order (each resumed or kept as above), every point with
-    `overrides` too (``key=value``); the study, its points and their output folders."""
+    `overrides` too (``key=value``); the study, its points and their output folders (whether each
+    finished: `point_finished`). `max_minutes`: training stops when that much time has passed,
+    the point in training with a checkpoint, and later points are not started."""
     study, points = study_points(name, only)
     out = Path(out)
     for point in points:  # a bad override fails before any point trains
         point_overrides(point, out, overrides)
-    return study, points, [train_point(study, point, out, recipe_root, overrides) for point in points]
+    if max_minutes is not None:
+        if not max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0, got {max_minutes!r}")
+        if any(item.split("=", 1)[0].strip() == "training.max_minutes" for item in overrides):
+            raise ValueError("give the study's time budget as max_minutes (--max-minutes), not training.max_minutes")
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    runs = []
+    for point in points:
+        extra = list(overrides)
+        if deadline is not None and not point_finished(out / point.name):
+            left = (deadline - time.monotonic()) / 60
+            if left <= 0:
+                logger.warning("study point %s: waits (the time budget is spent)", point.name)
+                runs.append(out / point.name)
+                continue
+            extra.append(f"training.max_minutes={left:.6g}")
+        runs.append(train_point(study, point, out, recipe_root, extra))
+    return study, points, runs

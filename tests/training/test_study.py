@@ -10,7 +10,9 @@ import pytest
 from streamspec.training import study as study_module
 from streamspec.training import trainer as trainer_module
 from streamspec.evaluation.capacity import capacity_table
-from streamspec.training.study import STUDIES, Point, Study, point_overrides, study_points, train_study
+from streamspec.training.study import (
+    STUDIES, Point, Study, point_finished, point_overrides, point_progress, study_points, train_study,
+)
 
 
 def _rows(path, count):
@@ -55,6 +57,48 @@ def test_a_study_trains_each_point_once_and_resumes_a_stopped_one(tiny_dir, tmp_
     assert calls == [(str(out / "all"), True)]  # resumed from checkpoint-1
     state = json.loads((out / "all" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
+
+
+def test_a_time_budget_stops_the_point_in_training_with_a_checkpoint_and_the_same_command_continues(
+        tiny_dir, tmp_path, monkeypatch, single_thread):
+    common = {"model.name_or_path": str(tiny_dir), "model.dtype": "float32", "training.init_from": None,
+              "training.report_to": "none", "training.max_steps": 3, "training.save_steps": 100,
+              "training.logging_steps": 1, "training.eval_steps": 100, "training.batch_size": 2,
+              "data.path": f"[{_rows(tmp_path / 'train.jsonl', 8)}]", "data.validation_path": _rows(tmp_path / "val.jsonl", 2),
+              "data.max_length": 128, "data.cache_activations": False}
+    tiny = Study(study_module.SQL_SCALE, (Point("first", dict(common)), Point("second", dict(common))), "a tiny study")
+    monkeypatch.setitem(STUDIES, "tiny", tiny)
+    calls = []
+    real = trainer_module.run_training
+
+    def recorded(recipe, resume=False):
+        calls.append((recipe.training.output_dir, resume, recipe.training.max_minutes))
+        return real(recipe, resume=resume)
+
+    monkeypatch.setattr(trainer_module, "run_training", recorded)
+    # the study's clock: 0.1 ms is left when the first point starts (its first step takes longer),
+    # none for the second
+    clock = iter([0.0, 59.9999, 61.0])
+    monkeypatch.setattr(study_module.time, "monotonic", lambda: next(clock))
+    out = tmp_path / "study"
+    _, _, runs = train_study("tiny", out, max_minutes=1)
+    assert runs == [out / "first", out / "second"]
+    assert calls == [(str(out / "first"), False, pytest.approx(0.0001 / 60, rel=1e-3))]
+    assert not point_finished(runs[0]) and not point_finished(runs[1])
+    assert point_progress(runs[1]) == "not started"
+    progress = point_progress(runs[0])  # the time budget's stop saved a checkpoint of an unfinished run
+    assert progress.startswith("step ") and progress.endswith(" of 3") and progress != "step 3 of 3"
+
+    calls.clear()
+    monkeypatch.setattr(study_module.time, "monotonic", lambda: 0.0)  # a budget no point runs out of
+    train_study("tiny", out, max_minutes=60)
+    assert [c[:2] for c in calls] == [(str(out / "first"), True), (str(out / "second"), False)]
+    assert point_finished(runs[0]) and point_finished(runs[1])
+    assert point_progress(runs[0]) == "step 3 of 3"
+    with pytest.raises(ValueError, match="max_minutes"):
+        train_study("tiny", out, overrides=["training.max_minutes=5"], max_minutes=5)
+    with pytest.raises(ValueError, match="max_minutes"):
+        train_study("tiny", out, max_minutes=0)
 
 
 def test_study_names_and_points_are_checked():
