@@ -152,9 +152,8 @@ class MedusaModel(DecoderParts):
         learn with ``stream_targets: main``), where the data has a token there."""
         batch = labels.shape[0]
         norm = frozen(getattr(self.decoder, self.arch.norm))
-        next_labels = torch.cat([labels[:, 1:], labels.new_full((batch, 1), -100)], dim=1)
         if own is None:
-            own = main_predictions(self, hidden, next_labels, norm)
+            own = main_predictions(self, hidden, labels, norm)
         terms = []
         for k, head in enumerate(self.heads, start=1):
             targets = torch.cat([own[:, 1 + k:], own.new_full((batch, 1 + k), -100)], dim=1)

@@ -29,7 +29,7 @@ def loss_terms(model: DecoderParts, lower, main, streams, index, valid, labels, 
     elif own is not None:
         targets_of = own
     elif main is not None:
-        targets_of = main_predictions(model, main, next_labels, norm)
+        targets_of = main_predictions(model, main, labels, norm)
     else:
         raise ValueError("stream_targets='main' offline needs the stored main predictions ('own')")
     padded = torch.cat([targets_of, labels.new_full((batch, cfg.num_streams + 1), -100)], dim=1)
@@ -40,19 +40,12 @@ def loss_terms(model: DecoderParts, lower, main, streams, index, valid, labels, 
     return terms
 
 
-@torch.no_grad()
-def main_predictions(model: DecoderParts, main, next_labels, norm, chunk: int = 256):
+def main_predictions(model: DecoderParts, main, labels, norm, chunk: int = 256):
     """For stream_targets='main': labels-shaped targets whose entry at position p is the main
     stream's top-1 prediction made at p−1 (for the token at p), -100 where the data has no
-    target there."""
-    keep = next_labels != -100
-    rows = main[keep]
+    target there (`main_outputs`' ``own``, the head being `norm` then the LM head)."""
     head = model.hf_model.get_output_embeddings()
-    predicted = torch.full_like(next_labels, -100)
-    if rows.shape[0]:
-        chunks = [head(norm(rows[i : i + chunk])).argmax(-1) for i in range(0, rows.shape[0], chunk)]
-        predicted[keep] = torch.cat(chunks)
-    return torch.cat([next_labels.new_full((next_labels.shape[0], 1), -100), predicted[:, :-1]], dim=1)
+    return main_outputs(lambda rows: head(norm(rows)), main, labels, chunk)[1]
 
 
 @torch.no_grad()
