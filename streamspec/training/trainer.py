@@ -365,10 +365,11 @@ def run_training(recipe: Recipe, resume: bool = False) -> dict[str, Any]:
             raise FileNotFoundError(f"--resume: no complete checkpoint-* folder in {out}")
         checkpoint = str(checkpoints[-1])
         logger.warning("resuming from %s", checkpoint)
+    first_step = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"] if checkpoint else 0
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=checkpoint)
     wall = time.perf_counter() - start
-    summary = _summary(trainer, result, wall)
+    summary = _summary(trainer, result, wall, first_step)
     budget = next((c for c in trainer.callback_handler.callbacks if isinstance(c, TimeBudget)), None)
     summary["stopped_by_time"] = budget is not None and budget.stopped_at is not None
     final = out / "final"
@@ -399,7 +400,10 @@ def _largest_over_processes(trainer: Trainer, value: int | None) -> int | None:
     return int(trainer.accelerator.gather(torch.tensor([value], device=trainer.args.device)).max())
 
 
-def _summary(trainer: Trainer, result, wall: float) -> dict[str, Any]:
+def _summary(trainer: Trainer, result, wall: float, first_step: int = 0) -> dict[str, Any]:
+    """What a call of `run_training` did: ``steps`` the run's steps in all, ``steps_run`` those
+    of this call (after the checkpoint it resumed from), which ``wall_seconds`` and
+    ``seconds_per_step`` time."""
     history = trainer.state.log_history
     train_logs = [h for h in history if "loss" in h and "eval_loss" not in h]
     evals = [h for h in history if "eval_loss" in h]
@@ -410,11 +414,13 @@ def _summary(trainer: Trainer, result, wall: float) -> dict[str, Any]:
             if line.startswith("VmHWM:"):
                 peak = round(int(line.split()[1]) / 1024)
     steps = trainer.state.global_step
+    steps_run = steps - first_step
     return {
         "steps": steps,
+        "steps_run": steps_run,
         "epochs": trainer.state.epoch,
         "wall_seconds": round(wall, 1),
-        "seconds_per_step": round(wall / steps, 3) if steps else None,
+        "seconds_per_step": round(wall / steps_run, 3) if steps_run else None,
         # the tokens of every training batch (padding not counted) over every call: this process's
         # count times the processes (with several, their batches' padding differs a little)
         "tokens_seen": int(trainer.state.num_input_tokens_seen) * trainer.args.world_size,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -108,8 +109,13 @@ def test_killed_run_resumes_on_the_same_curve(tiny_dir, tmp_path):
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5), (step, got, expected)
     # the tokens trained on count the killed call's steps once: the checkpoint carries the count
-    tokens = [json.loads((run / "training_summary.json").read_text())["tokens_seen"] for run in (straight, killed)]
-    assert tokens[0] > 0 and tokens[1] == tokens[0]
+    summaries = [json.loads((run / "training_summary.json").read_text()) for run in (straight, killed)]
+    assert summaries[0]["tokens_seen"] > 0 and summaries[1]["tokens_seen"] == summaries[0]["tokens_seen"]
+    # the resumed call times its own steps, those after checkpoint-4 (or later, were it saved later)
+    resumed_from = int(re.search(r"resuming from \S*checkpoint-(\d+)", output).group(1))
+    assert summaries[0]["steps_run"] == summaries[0]["steps"] == 8
+    assert summaries[1]["steps"] == 8 and summaries[1]["steps_run"] == 8 - resumed_from >= 1
+    assert summaries[1]["seconds_per_step"] == pytest.approx(summaries[1]["wall_seconds"] / summaries[1]["steps_run"], abs=0.05)
 
 
 def test_export_command_merges_into_a_self_contained_folder(tiny_dir, tmp_path):
