@@ -65,12 +65,14 @@ STUDIES: dict[str, Study] = {
         # rank 576 = min(in, out) of every linear of SmolLM2-135M's layers: a full-rank stream-only
         # change of each top-layer linear (the main rows keep the base's weights: still exact)
         Point("full-rank", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_adapter_rank": 576}),
+        # both levers together: the full rank on the whole set (what neither reached alone)
+        Point("full-rank-100", {**_FROM_SCRATCH, "streams.stream_adapter_rank": 576}),
         Point("ns-6", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.stream_layers": 6, "data.cache_activations": False}),
         # the streams also read the token after their position (what a drafter after the verify pass
         # knows: vLLM's DFlash layout); validation top-1 only, streamspec's decoders cannot run them
         Point("next-token", {**_FROM_SCRATCH, **_CAPACITY_DATA, "streams.next_token_input": True}),
     ), "capacity at fixed data (30% of the SQL set, one pass): adapter rank 64 / 128 / 256 / full, Ns 4 / 6, "
-       "and the streams reading the next token"),
+       "the streams reading the next token, and the full rank on the whole set"),
     # the chat recipe trains from fresh streams already, offline; its shares of the whole chat set
     "chat-data": Study(CHAT, (
         Point("data-10", {"data.train_fraction": 0.1, "training.report_to": "none"}),
